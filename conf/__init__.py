@@ -1,0 +1,1 @@
+"""Cuboid's Hydra configuration tree, shipped as package data (``pkg://cuboid.conf``)."""

@@ -1,0 +1,5 @@
+"""Reference models for Cuboid. Plain PyTorch: no parallelism lives here."""
+
+from cuboid.models.llama import CONFIGS, TP_PLAN, Llama, LlamaConfig
+
+__all__ = ["CONFIGS", "TP_PLAN", "Llama", "LlamaConfig"]

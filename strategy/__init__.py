@@ -1,0 +1,18 @@
+"""Cuboid: a PyTorch Lightning strategy for pp x dp x tp training on one device mesh.
+
+``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers
+``Trainer(strategy="cuboid")``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from cuboid.layout import Layout, LayoutError
+from cuboid.plans import PlanError
+from cuboid.precision import CuboidPrecision
+from cuboid.strategy import CuboidStrategy
+
+if CuboidStrategy.strategy_name not in StrategyRegistry:
+    CuboidStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["CuboidPrecision", "CuboidStrategy", "Layout", "LayoutError", "PlanError"]
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""The global gradient norm across every shard of every parameter, and clipping by it.
+
+``torch.nn.utils.clip_grad_norm_`` cannot stack norms of DTensors that live on different meshes
+(FSDP-only parameters on ``dp_shard``, FSDP+TP ones on ``(dp_shard, tp)``). Here each rank sums
+the squares of its local shards, counting a shard that other ranks also hold (replicated over
+``tp``, ``dp_replicate`` or another mesh dim) only on the first of them, and one all-reduce over
+the world adds them up. Every rank gets the same bits; pipeline stages hold different
+parameters, so they are summed, never de-duplicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+# Dims of the root mesh along which different ranks hold *different* parameters.
+_NOT_REPLICATED = ("pp",)
+
+
+def _counts_here(tensor: torch.Tensor, coords: Mapping[str, int], flattened: Mapping[str, tuple[str, ...]]) -> bool:
+    """True when this rank is the one that counts its local shard of ``tensor``."""
+    replicated = set(coords) - set(_NOT_REPLICATED)
+    if isinstance(tensor, DTensor):
+        for name, placement in zip(tensor.device_mesh.mesh_dim_names or (), tensor.placements, strict=True):
+            dims = flattened.get(name, (name,))
+            if placement.is_partial():
+                raise RuntimeError(f"gradient with a Partial placement on {name!r}: reduce it before clipping")
+            if not placement.is_replicate():
+                replicated -= set(dims)
+    return all(coords[d] == 0 for d in replicated)
+
+
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor], mesh: DeviceMesh | None, flattened: Mapping[str, tuple[str, ...]]
+) -> torch.Tensor:
+    """L2 norm of all gradients as if the model were on one device (fp64 sum, fp32 result)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    if mesh is None:
+        coords: dict[str, int] = {}
+    else:
+        coords = dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or (), strict=True))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if _counts_here(g, coords, flattened):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            total += local.detach().double().pow(2).sum()
+    if mesh is not None and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt().float()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    mesh: DeviceMesh | None,
+    flattened: Mapping[str, tuple[str, ...]],
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params, mesh, flattened)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local.mul_(coef.to(local.device, local.dtype))
+    return norm

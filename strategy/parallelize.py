@@ -1,0 +1,118 @@
+"""Where each parallelism is applied, one function each, in one visible order (torchtitan style).
+
+:func:`parallelize` runs, per model: tensor parallel (:func:`apply_tp`), activation
+checkpointing (:func:`apply_ac`), ``torch.compile`` (:func:`apply_compile`), then FSDP2
+(:func:`apply_fsdp`) per block and on each root module, with explicit forward/backward prefetch.
+None of these change parameter names (FQNs), so checkpoints read the same on any layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+ACMode = Literal["full", "selective"]
+
+# Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest
+# (norms, activations, elementwise) are recomputed in backward.
+_SAC_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
+    """Shard the modules named in ``plan`` over the ``tp`` mesh (DTensor ``parallelize_module``)."""
+    if tp_mesh.size() == 1 or not plan:
+        return
+    parallelize_module(root, tp_mesh, dict(plan))
+
+
+def _sac_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> None:
+    """Activation checkpointing per block, without wrapping (FQNs unchanged).
+
+    ``"full"`` recomputes the whole block in backward; ``"selective"`` keeps matmul and attention
+    outputs and recomputes the cheap ops in between.
+    """
+    if mode is None:
+        return
+    from torch.distributed._composable import checkpoint
+
+    kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
+    for _, block in blocks:
+        checkpoint(block, **kwargs)
+
+
+def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile`` keeps parameter names)."""
+    for _, block in blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    roots: Sequence[nn.Module],
+    blocks: Sequence[tuple[str, nn.Module]],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+) -> None:
+    """FSDP2 per block, then on each root; prefetch the next block's all-gather.
+
+    Each block's parameters are all-gathered right before its forward and freed after it
+    (``reshard_after_forward=True``), and its gradients reduce-scattered in backward. Roots
+    (the LightningModule's top-level children with parameters) get the leftover parameters
+    (embeddings, final norm, head) and are kept unsharded between forward and backward.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    for _, block in blocks:
+        shard(block, reshard_after_forward=reshard_after_forward)
+    for root in roots:
+        shard(root)
+    sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
+    for prev, nxt in zip(sharded, sharded[1:], strict=False):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+def parallelize(
+    roots: Sequence[nn.Module],
+    lightning_module: nn.Module,
+    blocks: Sequence[tuple[str, nn.Module]],
+    *,
+    tp_mesh: DeviceMesh,
+    tp_plan: Mapping[str, ParallelStyle],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    activation_checkpointing: ACMode | None,
+    compile: bool,
+    reshard_after_forward: bool | int,
+    cpu_offload: bool,
+) -> None:
+    """Apply TP -> AC -> compile -> FSDP2, in that order (see DESIGN.md)."""
+    apply_tp(lightning_module, tp_mesh, tp_plan)
+    apply_ac(blocks, activation_checkpointing)
+    if compile:
+        apply_compile(blocks)
+    apply_fsdp(roots, blocks, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)

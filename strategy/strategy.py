@@ -1,0 +1,407 @@
+"""The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x tp mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from cuboid import checkpoint as ckpt
+from cuboid import materialize, plans
+from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
+from cuboid.parallelize import ACMode, parallelize
+from cuboid.precision import CuboidPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+
+_FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+
+
+class CuboidStrategy(ParallelStrategy):
+    """Train one LightningModule on a pp x dp_replicate x dp_shard x tp cuboid of devices.
+
+    FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard``
+    (replicated over ``dp_replicate`` for HSDP); tensor parallelism (DTensor) splits layers over
+    ``tp`` from a declarative plan. The LightningModule needs no parallel code: Cuboid finds the
+    repeated blocks, applies the model's tensor-parallel plan, activation checkpointing and
+    ``fully_shard`` per block. A ``configure_model`` that parallelizes by hand (it calls
+    ``fully_shard`` or makes DTensors, using ``self.device_mesh``) is respected as is.
+
+    Args:
+        pipeline_parallel: Number of pipeline stages (the ``pp`` mesh dim). Only ``1`` for now.
+        data_parallel_replicate: HSDP replicas (``dp_replicate``): parameters are sharded within a
+            replica group and replicated across groups. ``1`` = plain FSDP.
+        data_parallel_shard: FSDP shard group size (``dp_shard``); ``"auto"`` fills the world size.
+        tensor_parallel: Tensor-parallel degree (``tp``), the innermost dim: keep it within a node.
+        tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``,
+            ``"embedding"``, ``"output"``, ``"sequence_parallel"``), names as seen from the
+            LightningModule, e.g. ``{"model.layers.*.attention.wq": "colwise"}``. Default: the
+            model's own ``tp_plan`` (or a Hugging Face ``_tp_plan``), prefixed with its attribute name.
+        block_container: Name of the ModuleList/ModuleDict whose children are the blocks
+            (e.g. ``"model.layers"``). Default: found automatically.
+        activation_checkpointing: ``None``, ``"full"`` (recompute each block in backward) or
+            ``"selective"`` (keep matmul/attention outputs, recompute the rest).
+        reshard_after_forward: ``True`` frees each block's gathered parameters after forward
+            (ZeRO-3); ``False`` keeps them until backward (ZeRO-2 style, more memory, less
+            communication); an ``int`` reshards to a smaller group of that size.
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
+        compile: ``torch.compile`` each block.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
+        timeout: Timeout for collectives (default 30 min, as Lightning).
+    """
+
+    strategy_name = "cuboid"
+
+    def __init__(
+        self,
+        pipeline_parallel: int = 1,
+        data_parallel_replicate: int = 1,
+        data_parallel_shard: int | Literal["auto"] = "auto",
+        tensor_parallel: int = 1,
+        tensor_parallel_plan: Mapping[str, str] | None = None,
+        block_container: str | None = None,
+        activation_checkpointing: ACMode | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        compile: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pipeline_parallel != 1:
+            raise NotImplementedError(
+                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism is not supported yet in this version "
+                "of Cuboid. Use pipeline_parallel=1 and scale with data_parallel_shard / tensor_parallel."
+            )
+        if activation_checkpointing not in (None, "full", "selective"):
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r}; choose None, 'full' or 'selective'."
+            )
+        if tensor_parallel_plan is not None:
+            for pattern, style in tensor_parallel_plan.items():
+                plans.canonical_style(style, pattern)
+        self.layout = Layout(pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel)
+        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
+        self.block_container = block_container
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.compile = compile
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: DeviceMesh | None = None
+        self._dp_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ layout and mesh
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 4-D mesh ``("pp", "dp_replicate", "dp_shard", "tp")``."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._device_mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Process group of the data-parallel ranks (replicas x shards) that share this rank's tp/pp
+        coordinates. Pass it to torchmetrics (``Metric(process_group=strategy.dp_group)``) so
+        tensor-parallel peers, which see the same batch, are not counted twice."""
+        return self.dp_mesh.get_group()
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D mesh named ``"dp"``."""
+        if self._dp_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._dp_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split data over the data-parallel ranks only: tp (and pp) peers get the same batch."""
+        dp_mesh = self.dp_mesh
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def precision_plugin(self) -> CuboidPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, CuboidPrecision) else CuboidPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands a third-party strategy an autocast/casting plugin; keep its precision name only.
+        if plugin is None or isinstance(plugin, CuboidPrecision):
+            self._precision_plugin = plugin
+        else:
+            self._precision_plugin = CuboidPrecision(str(plugin.precision))
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Check the layout in the launching process, before any child process or process group exists.
+        self.layout.resolve(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        layout = self.layout.resolve(self.world_size)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.layout = layout
+        self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
+        self.precision_plugin.device_mesh = self._device_mesh
+        self.precision_plugin.flattened_dims = _FLATTENED
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        lm = self.lightning_module
+        assert lm is not None
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(m, FullyShardedDataParallel) for m in lm.modules()):
+            raise TypeError(
+                "Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1). CuboidStrategy "
+                "applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or configure_model."
+            )
+        if _is_parallelized_by_user(lm):
+            _materialize_distributed_module(lm, self.root_device)
+        else:
+            self._parallelize(lm)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, lm: pl.LightningModule) -> None:
+        mesh = self.device_mesh
+        if any(True for _ in lm.parameters(recurse=False)):
+            names = [n for n, _ in lm.named_parameters(recurse=False)]
+            raise TypeError(
+                f"{type(lm).__name__} holds parameters directly ({names}); CuboidStrategy shards the modules the "
+                "LightningModule calls. Move these parameters into a submodule (e.g. self.model)."
+            )
+        plan = self.tensor_parallel_plan if self.tensor_parallel_plan is not None else plans.find_model_plan(lm)
+        tp = self.layout.tp
+        matched = plans.match_plan(lm, plan) if tp > 1 else {}
+        plans.check_tp_divisibility(lm, matched, tp)
+        if tp > 1 and not matched:
+            raise plans.PlanError(
+                f"tensor_parallel={tp} but {type(lm).__name__} carries no tensor-parallel plan. Pass "
+                "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
+            )
+        self._check_reshard_after_forward()
+        lm = self.precision_plugin.convert_module(lm)
+        is_meta = materialize.has_meta_tensors(lm)
+        twins = materialize.meta_twins(lm) if is_meta else {}
+        if not is_meta:
+            lm.to(self.root_device)
+            materialize.broadcast_from_rank0(lm)
+        blocks = plans.find_blocks(lm, self.block_container)
+        roots = [child for _, child in lm.named_children() if any(True for _ in child.parameters())]
+        parallelize(
+            roots,
+            lm,
+            blocks,
+            tp_mesh=mesh["tp"],
+            tp_plan=plans.parallel_plan(matched),
+            dp_mesh=fsdp_mesh(mesh),
+            mp_policy=self.precision_plugin.mixed_precision_policy,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
+        if is_meta:
+            materialize.materialize_from_twins(lm, twins, self.root_device)
+        rank_zero_info(
+            f"Cuboid: {len(blocks)} blocks sharded ({blocks[0][0] if blocks else 'none found'} ...), "
+            f"tp plan on {len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
+        )
+
+    def _check_reshard_after_forward(self) -> None:
+        value = self.reshard_after_forward
+        if isinstance(value, bool):
+            return
+        shard = self.layout.dp_shard
+        assert isinstance(shard, int)
+        if not isinstance(value, int) or not (1 < value < shard and shard % value == 0):
+            raise LayoutError(
+                f"reshard_after_forward={value!r} must be True, False or a divisor of data_parallel_shard={shard} "
+                f"strictly between 1 and {shard} (e.g. the number of GPUs per node)."
+            )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.cpu_offload:
+            self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init=True`` builds on the meta device; Cuboid materializes shards in ``setup``."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses):
+        tp and pp peers hold the same values and must not be counted again."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            group = self.dp_group
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is written shard by shard in save_checkpoint
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # written shard by shard in save_checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        assert self.model is not None
+        ckpt.save_sharded(path, self.model, self.optimizers, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        return ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
+        )
+
+
+def _is_parallelized_by_user(module: nn.Module) -> bool:
+    """True when configure_model already applied fully_shard or made DTensor parameters."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )

@@ -1,0 +1,109 @@
+"""Shared pieces of the parity tests: data, the LightningModule, and the single-process reference.
+
+The reference is plain PyTorch (no Lightning, no torch.distributed): fp32, the same seed and
+initial weights, AdamW, ``torch.nn.utils.clip_grad_norm_``, and the global batches in the
+order Lightning's DistributedSampler produces them (one shuffled permutation, seeded, read in
+contiguous global batches; dp rank r takes every dp-th sample of each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from cuboid.models import Llama, LlamaConfig
+
+SEED = 1234
+CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+SEQ = 32
+GLOBAL_BATCH = 8
+N_SAMPLES = 96  # 12 optimizer steps per epoch without accumulation
+LR = 1e-3
+# Max grad norm per accumulate_grad_batches: chosen so the reference clips on some steps and not
+# on others (test_parity asserts both happen).
+CLIP = {1: 1.4, 2: 1.08}
+
+
+class TokenDataset(Dataset):
+    """Deterministic token sequences with learnable structure (a noisy repeating pattern)."""
+
+    def __init__(self, n: int = N_SAMPLES, seq: int = SEQ, vocab: int = 256) -> None:
+        g = torch.Generator().manual_seed(7)
+        base = torch.randint(0, vocab, (n, 8), generator=g)
+        self.tokens = base.repeat(1, (seq + 1) // 8 + 1)[:, : seq + 1].clone()
+        noise = torch.rand(self.tokens.shape, generator=g) < 0.2
+        self.tokens[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"idx": torch.tensor(i), "tokens": self.tokens[i]}
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def initial_model() -> Llama:
+    torch.manual_seed(SEED)
+    return Llama(CFG)
+
+
+class LlamaModule(L.LightningModule):
+    """A plain LightningModule around the reference Llama: no parallel code in it."""
+
+    def __init__(self, meta_init: bool = False) -> None:
+        super().__init__()
+        self.meta_init = meta_init
+        self.model: Llama | None = None if meta_init else initial_model()
+        self.losses: list[float] = []
+        self.seen: list[list[int]] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(SEED)  # the weights Cuboid materializes come from this RNG state
+            with torch.device("meta"):
+                self.model = Llama(CFG)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens = batch["tokens"]
+        loss = lm_loss(self.model(tokens[:, :-1]), tokens)
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
+        self.seen.append(batch["idx"].tolist())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+@dataclass
+class Reference:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def reference_run(accumulate: int = 1, epochs: int = 1) -> Reference:
+    """Single-process fp32 training on the same global batches."""
+    model = initial_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    data = TokenDataset()
+    losses, norms = [], []
+    for epoch in range(epochs):
+        perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        for k in range(len(data) // GLOBAL_BATCH):
+            tokens = torch.stack([data[i]["tokens"] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]])
+            loss = lm_loss(model(tokens[:, :-1]), tokens)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+            if (k + 1) % accumulate == 0:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[accumulate])))
+                opt.step()
+                opt.zero_grad()
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()})

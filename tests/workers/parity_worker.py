@@ -1,0 +1,99 @@
+"""Runs several Cuboid layouts in one torchrun launch and writes what each rank saw.
+
+Usage: torchrun --nproc-per-node N parity_worker.py OUT_DIR RUNS_JSON
+RUNS_JSON is a list of {"name", "strategy": {...CuboidStrategy kwargs}, "accumulate", "meta_init"}.
+Rank 0 writes OUT_DIR/<name>.pt with losses, final full parameters, and per-rank facts
+(batch indices, parameter placements and local shapes, persistent bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
+
+from cuboid import CuboidStrategy  # noqa: E402
+
+
+def local_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in module.parameters())
+    grads = sum(nbytes(p.grad) for p in module.parameters() if p.grad is not None)
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": params, "grads": grads, "optim": state}
+
+
+class Facts(L.Callback):
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # After the first optimizer step: sharded parameters, gradients and AdamW state all exist.
+        if not self.bytes and trainer.global_step == 1:
+            self.bytes = local_bytes(pl_module, trainer.optimizers[0])
+
+
+def run(spec: dict, out_dir: Path) -> None:
+    L.seed_everything(SEED, verbose=False)
+    world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
+    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
+    dp = world // (strategy.layout.tp * strategy.layout.pp)
+    module = LlamaModule(meta_init=spec.get("meta_init", False))
+    facts = Facts()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=1,
+        gradient_clip_val=CLIP[spec.get("accumulate", 1)],
+        accumulate_grad_batches=spec.get("accumulate", 1),
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[facts],
+    )
+    loader = DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH // dp)
+    trainer.fit(module, loader)
+    placements = {
+        n: (str(p.device_mesh.mesh_dim_names), [str(pl) for pl in p.placements], list(p.to_local().shape))
+        for n, p in module.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    mine = {"seen": module.seen, "placements": placements, "bytes": facts.bytes, "rank": dist.get_rank()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
+    if dist.get_rank() == 0:
+        result = {
+            "losses": module.losses,
+            "params": full,
+            "ranks": everyone,
+            "mesh": strategy.device_mesh.mesh.tolist(),
+            "grad_norm": float(trainer.precision_plugin.last_grad_norm),
+        }
+        torch.save(result, out_dir / f"{spec['name']}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    for spec in json.loads(sys.argv[2]):
+        run(spec, out_dir)
+
+
+if __name__ == "__main__":
+    main()
