@@ -50,11 +50,12 @@ class LlamaConfig:
 
 
 # Named sizes, one registry of plain data (litgpt-style). 8b and 70b follow the Llama 3.1 model
-# cards (shared/ANCHORS.md); 150m and 1b are in-between sizes of the same family.
+# cards (shared/ANCHORS.md), 1b the Llama 3.2 1B shape (embeddings untied here: 1.5B parameters);
+# 150m is a GPT-2-small-sized member of the family (153M).
 CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(),
     "150m": LlamaConfig(
-        vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=2048
+        vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=3072, max_seq_len=2048
     ),
     "1b": LlamaConfig(
         vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=8192

@@ -238,13 +238,7 @@ class CuboidStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         lm = self.lightning_module
         assert lm is not None
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if any(isinstance(m, FullyShardedDataParallel) for m in lm.modules()):
-            raise TypeError(
-                "Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1). CuboidStrategy "
-                "applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or configure_model."
-            )
+        check_no_fsdp1(lm)
         if _is_parallelized_by_user(lm):
             _materialize_distributed_module(lm, self.root_device)
         else:
@@ -397,6 +391,21 @@ class CuboidStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
+        )
+
+
+def check_no_fsdp1(module: nn.Module) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``) wrappers: Cuboid applies FSDP2 itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [
+        name or type(module).__name__ for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise TypeError(
+            f"Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1): {wrapped[:3]}. "
+            "CuboidStrategy applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or "
+            "configure_model."
         )
 
 

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +47,28 @@ class Facts(L.Callback):
             self.bytes = local_bytes(pl_module, trainer.optimizers[0])
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(module: LlamaModule) -> dict[str, int]:
+    """Count the aten ops run during one backward: activation checkpointing re-runs forward ops there."""
+    tokens = TokenDataset()[0]["tokens"].repeat(2, 1)
+    loss = module.model(tokens[:, :-1]).float().pow(2).mean()
+    counter = _OpCounter()
+    with counter:
+        loss.backward()
+    module.zero_grad()
+    return {"total": sum(counter.ops.values()), "mm": counter.ops.get("mm", 0)}
+
+
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
@@ -69,11 +92,24 @@ def run(spec: dict, out_dir: Path) -> None:
     loader = DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH // dp)
     trainer.fit(module, loader)
     placements = {
-        n: (str(p.device_mesh.mesh_dim_names), [str(pl) for pl in p.placements], list(p.to_local().shape))
+        n: (
+            str(p.device_mesh.mesh_dim_names),
+            [str(pl) for pl in p.placements],
+            list(p.to_local().shape),
+            list(p.shape),
+        )
         for n, p in module.named_parameters()
         if isinstance(p, DTensor)
     }
-    mine = {"seen": module.seen, "placements": placements, "bytes": facts.bytes, "rank": dist.get_rank()}
+    mine = {
+        "seen": module.seen,
+        "placements": placements,
+        "bytes": facts.bytes,
+        "rank": dist.get_rank(),
+        "dp_rank": strategy.dp_mesh.get_local_rank(),
+        "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
+        "backward_ops": backward_ops(module),
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}

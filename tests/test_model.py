@@ -1,0 +1,79 @@
+"""The reference Llama: plain PyTorch, pipeline-ready, initialised the same eagerly and from meta."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuboid.materialize import init_module
+from cuboid.models import CONFIGS, TP_PLAN, Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def test_forward_shapes_and_causality() -> None:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = torch.randint(0, 128, (2, 10))
+    logits = model(tokens)
+    assert logits.shape == (2, 10, 128)
+    changed = tokens.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 128
+    # positions before the change see the same prefix, so their logits must not move
+    assert torch.equal(model(changed)[:, :6], logits[:, :6])
+    assert not torch.allclose(model(changed)[:, 6:], logits[:, 6:])
+
+
+def test_pipeline_ready_pieces_can_be_missing() -> None:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = torch.randint(0, 128, (2, 8))
+    full = model(tokens)
+    hidden = model.tok_embeddings(tokens)
+    first = Llama(CFG)
+    first.load_state_dict(model.state_dict())
+    first.norm, first.output = None, None
+    del first.layers["1"]
+    last = Llama(CFG)
+    last.load_state_dict(model.state_dict())
+    last.tok_embeddings = None
+    del last.layers["0"]
+    torch.testing.assert_close(last(first(tokens)), full)
+    assert first(tokens).shape == hidden.shape
+
+
+def test_meta_init_then_init_weights_equals_eager_init() -> None:
+    torch.manual_seed(3)
+    eager = Llama(CFG)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = Llama(CFG)
+    meta.to_empty(device="cpu")
+    init_module(meta)
+    for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(("name", "billions"), [("8b", 8.03), ("70b", 70.55)])
+def test_named_sizes_match_the_model_cards(name: str, billions: float) -> None:
+    with torch.device("meta"):
+        model = Llama(name)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / 1e9 - billions) < 0.01
+    assert count == CONFIGS[name].num_params()
+
+
+def test_tp_plan_names_real_modules() -> None:
+    import fnmatch
+
+    names = [n for n, _ in Llama(CFG).named_modules()]
+    for pattern in TP_PLAN:
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
+
+
+def test_models_hold_no_parallel_code() -> None:
+    for path in (Path(__file__).parents[1] / "models").glob("*.py"):
+        imports = [line for line in path.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
+        assert not [line for line in imports if "distributed" in line], path

@@ -1,0 +1,44 @@
+"""A LightningModule not written for Cuboid trains unchanged with ``strategy="cuboid"``.
+
+Lightning's own launcher starts the processes (as with DDP); the default plan is pure FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import WORKERS, run_checked, worker_env
+
+
+@pytest.mark.slow
+def test_plain_module_trains_with_lightning_launcher(tmp_path) -> None:
+    run_checked([sys.executable, str(WORKERS / "plain_module.py"), str(tmp_path)], timeout=300, env=worker_env())
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert result["launched_by"] == "LightningEnvironment"
+    assert result["param_is_dtensor"]  # sharded by FSDP2 without the module asking
+    first = sum(result["first_losses"]) / 5
+    last = sum(result["last_losses"]) / 5
+    assert last < 0.5 * first, result
+    assert result["val_loss"] < first
+    # One sharded (DCP) checkpoint directory under its real name, no temporary left behind.
+    assert result["checkpoints"] == ["epoch=3-step=32.ckpt"]
+    assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(result["checkpoint_files"])
+    # Precision maps onto FSDP2's MixedPrecisionPolicy; Lightning's autocast plugin is not used.
+    mixed, true = result["bf16-mixed"], result["bf16-true"]
+    assert mixed == {
+        "output": "torch.bfloat16",
+        "autocast": "False",
+        "plugin": "CuboidPrecision",
+        "sharded_param": "torch.float32",
+        "finite": True,
+    }
+    assert true == {
+        "output": "torch.bfloat16",
+        "autocast": "False",
+        "plugin": "CuboidPrecision",
+        "sharded_param": "torch.bfloat16",
+        "finite": True,
+    }
