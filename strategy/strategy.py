@@ -22,7 +22,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from cuboid import checkpoint as ckpt
 from cuboid import materialize, plans
+from cuboid.launch import CuboidLauncher, forget_previous_launch
 from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import ACMode, parallelize
 from cuboid.precision import CuboidPrecision
@@ -75,7 +75,7 @@ class CuboidStrategy(ParallelStrategy):
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
         compile: ``torch.compile`` each block.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
-        timeout: Timeout for collectives (default 30 min, as Lightning).
+        timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
 
     strategy_name = "cuboid"
@@ -93,7 +93,7 @@ class CuboidStrategy(ParallelStrategy):
         cpu_offload: bool = False,
         compile: bool = False,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -127,7 +127,7 @@ class CuboidStrategy(ParallelStrategy):
         self.cpu_offload = cpu_offload
         self.compile = compile
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -202,8 +202,10 @@ class CuboidStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         # Check the layout in the launching process, before any child process or process group exists.
         self.layout.resolve(self.num_nodes * self.num_processes)
+        check_slurm_tasks(self.cluster_environment, self.num_nodes, self.num_processes)
+        forget_previous_launch()
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CuboidLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -391,6 +393,23 @@ class CuboidStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
+        )
+
+
+def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
+    """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(env, SLURMEnvironment):
+        return
+    import os
+
+    ntasks = int(os.environ.get("SLURM_NTASKS", num_nodes * devices))
+    if ntasks != num_nodes * devices:
+        raise LayoutError(
+            f"SLURM runs {ntasks} tasks (SLURM_NTASKS) but the Trainer expects num_nodes ({num_nodes}) x devices "
+            f"({devices}) = {num_nodes * devices}. Submit with --nodes={num_nodes} --ntasks-per-node={devices}, "
+            f"or set trainer.num_nodes / trainer.devices to match the allocation."
         )
 
 

@@ -1,0 +1,116 @@
+"""Causal language modelling as a LightningModule: the training task around :class:`Llama`.
+
+No parallel code: the same module trains on one CPU or on a pp x dp x tp cuboid. Validation
+loss and perplexity come from torchmetrics metrics; under a multi-process strategy they sync
+over ``strategy.dp_group`` when the strategy has one (Cuboid does), so tensor-parallel peers,
+which see the same batch, are not counted twice. Perplexity is ``exp`` of the mean token loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from cuboid.models.llama import CONFIGS, Llama, LlamaConfig
+
+
+class CausalLM(L.LightningModule):
+    """Next-token prediction with AdamW and a linear-warmup cosine schedule.
+
+    Args:
+        model: A named size (``"debug"``, ``"150m"``, ``"1b"``, ``"8b"``, ``"70b"``) or a
+            :class:`LlamaConfig` / dict of its fields.
+        meta_init: Build the model on the meta device in ``configure_model`` (the strategy
+            materializes it shard by shard); needed for models larger than one device.
+        lr, weight_decay, betas, eps: AdamW settings (defaults: Llama's).
+        warmup_steps, max_steps: Linear warm-up, then cosine decay to 10% of ``lr`` at ``max_steps``.
+        init_seed: Seed for the initial weights, so every layout starts from the same model.
+    """
+
+    def __init__(
+        self,
+        model: str | LlamaConfig | dict[str, Any] = "debug",
+        meta_init: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-5,
+        warmup_steps: int = 20,
+        max_steps: int = 1000,
+        init_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if isinstance(model, str):
+            if model not in CONFIGS:
+                raise ValueError(f"model={model!r} is not a named size; choose one of {', '.join(CONFIGS)}.")
+            cfg = CONFIGS[model]
+        elif isinstance(model, LlamaConfig):
+            cfg = model
+        else:
+            cfg = LlamaConfig(**dict(model))
+        self.cfg = cfg
+        self.save_hyperparameters(ignore=["model"])
+        self.meta_init = meta_init
+        self.opt = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
+        self.warmup_steps, self.max_steps, self.init_seed = warmup_steps, max_steps, init_seed
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        torch.manual_seed(self.init_seed)
+        if self.meta_init:
+            with torch.device("meta"):
+                self.model = Llama(self.cfg)
+        else:
+            self.model = Llama(self.cfg)
+
+    def setup(self, stage: str) -> None:
+        group = getattr(self.trainer.strategy, "dp_group", None)
+        if group is not None:
+            self.val_loss.process_group = group
+
+    def tokens_in_batch(self, batch: torch.Tensor) -> int:
+        """Tokens the model predicts in one local batch (used for tokens/s)."""
+        return batch.shape[0] * (batch.shape[1] - 1)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x parameters + 12 x layers x dim x seq (attention)."""
+        c = self.cfg
+        return 6 * c.num_params() + 12 * c.n_layers * c.dim * seq_len
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.model(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch), weight=batch.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), **self.opt)
+
+        def schedule(step: int) -> float:
+            if step < self.warmup_steps:
+                return (step + 1) / self.warmup_steps
+            progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,134 @@
+"""Cuboid's main job (Hydra): train a Llama-style model with CuboidStrategy.
+
+    python scripts/train.py                                          # debug model, 2 CPU processes
+    python scripts/train.py strategy=fsdp_tp trainer.devices=4 model=debug
+    python scripts/train.py data=tokens data.path=tokens.bin trainer.max_steps=1000
+    python scripts/train.py -m strategy.tensor_parallel=1,2          # sweep: one process group per job
+
+Configs live in conf/ (also installed as ``pkg://cuboid.conf``). Rank 0 writes
+``summary.json`` in the job's output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+import cuboid  # noqa: F401  (registers strategy="cuboid")
+from cuboid import CuboidStrategy
+from cuboid.monitor import CuboidMonitor
+
+
+class LossHistory(L.Callback):
+    """Keeps the logged (dp-averaged) training loss of every step, for summary.json."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if "train/loss" in trainer.callback_metrics:
+            self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Fail on settings that cannot work, before any process group starts."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}. "
+            f"Set data.seq_len<={cfg.model.max_seq_len} or raise model.max_seq_len."
+        )
+    if cfg.data.get("path") is None and cfg.model.vocab_size < 256:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} cannot hold byte tokens (256); set it to >= 256.")
+
+
+def make_logger(cfg: DictConfig) -> Any:
+    if not cfg.get("logger"):
+        return False
+    logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True)
+    if logger_cfg["_target_"].endswith("WandbLogger") and logger_cfg.get("offline") is None:
+        has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+        logger_cfg["offline"] = not has_key
+    return instantiate(logger_cfg)
+
+
+def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
+    if isinstance(strategy, CuboidStrategy):
+        layout = strategy.layout.resolve(world_size)
+        return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+    return {"strategy": type(strategy).__name__, "world_size": world_size}
+
+
+@hydra.main(version_base="1.3", config_path="pkg://cuboid.conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    check_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    datamodule = instantiate(cfg.data)
+    task = instantiate(cfg.task)
+    strategy = instantiate(cfg.strategy)
+    logger = make_logger(cfg)
+    history = LossHistory()
+    callbacks: list[L.Callback] = [CuboidMonitor(), history]
+    if logger:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True))
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks, enable_checkpointing=bool(cfg.checkpoint)
+    )
+    world_size = trainer.num_nodes * trainer.num_devices
+    layout = layout_of(strategy, world_size)
+    if logger:
+        logger.log_hyperparams(
+            {**OmegaConf.to_container(cfg, resolve=True), "layout": layout, "world_size": world_size}
+        )
+    start = time.perf_counter()
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    wall = time.perf_counter() - start
+    ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+    me = {"global": trainer.global_rank, "local": trainer.local_rank, "node": trainer.node_rank}
+    if dist.is_initialized():
+        dist.all_gather_object(ranks, me)
+    else:
+        ranks = [me]
+    if trainer.is_global_zero:
+        summary = {
+            "first_loss": history.losses[0] if history.losses else None,
+            "last_loss": history.losses[-1] if history.losses else None,
+            "losses": history.losses,
+            "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+            "val_ppl": float(trainer.callback_metrics.get("val/ppl", float("nan"))),
+            "steps": trainer.global_step,
+            "wall_s": wall,
+            "layout": layout,
+            "world_size": world_size,
+            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+            "ranks": ranks,
+            "checkpoint": str(out_dir / "checkpoints" / "last.ckpt") if cfg.checkpoint else None,
+            "output_dir": str(out_dir),
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(
+            f"Cuboid: {trainer.global_step} steps in {wall:.1f}s, loss {summary['first_loss']:.3f} -> "
+            f"{summary['last_loss']:.3f}, val ppl {summary['val_ppl']:.2f}; output in {out_dir}"
+        )
+        if logger and type(logger).__name__ == "WandbLogger":
+            run_dir = Path(logger.experiment.dir).parent
+            logger.experiment.finish()
+            if logger._offline:
+                print(f"W&B offline run saved in {run_dir}; upload it with: wandb sync {run_dir}")
+
+
+if __name__ == "__main__":
+    main()

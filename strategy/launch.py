@@ -1,0 +1,117 @@
+"""Starting the processes of one job: Lightning's script launcher, made safe for Hydra sweeps.
+
+Lightning's launcher re-runs ``sys.argv`` in each child. Under ``hydra -m`` that argv is the
+whole sweep, so every child would run every job; and after the first job the parent keeps the
+``LOCAL_RANK``/``MASTER_PORT`` it set, so the next job believes its processes were started
+externally and spawns none. Cuboid's launcher starts each child on exactly its job (the
+composed config Hydra saved in the job's output directory), and clears the variables it set
+once the job ends, so the next job of a sweep starts its own process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+_SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+_MARKER = "CUBOID_LAUNCHED"  # "<pid of the launching process>|<hydra job output dir>"
+
+
+def _current_job() -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return ""
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ""
+
+
+def forget_previous_launch() -> None:
+    """Start the next Hydra job of a sweep afresh in the process that launched the previous one.
+
+    Drops the rank variables this process set for the earlier job and its process group, so this
+    job launches its own processes (possibly a different number) on a new port. A second Trainer
+    inside the *same* job keeps them, exactly as with Lightning's own launcher.
+    """
+    marker = os.environ.get(_MARKER, "")
+    pid, _, job = marker.partition("|")
+    if pid != str(os.getpid()) or job == _current_job():
+        return
+    for key in (*_SET_BY_LAUNCHER, _MARKER):
+        os.environ.pop(key, None)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _hydra_job_command(local_rank: int) -> tuple[Sequence[str], str] | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None
+    if not HydraConfig.initialized():
+        return None
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    job_dir = hydra_cfg.runtime.output_dir
+    if hydra_cfg.output_subdir is None:
+        raise RuntimeError(
+            "CuboidStrategy starts each process on the job's saved config, but hydra.output_subdir is null. "
+            "Keep the default (.hydra) so the composed config is written to the job directory."
+        )
+    config_dir = os.path.join(job_dir, hydra_cfg.output_subdir)
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += [
+        f"--config-path={config_dir}",
+        "--config-name=config",
+        f"hydra.run.dir={job_dir}",
+        "hydra.output_subdir=null",
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra/hydra_logging=disabled",
+        "hydra/job_logging=disabled",
+    ]
+    return command, get_original_cwd()
+
+
+class CuboidLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, but each child runs exactly the current Hydra job."""
+
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        os.environ[_MARKER] = f"{os.getpid()}|{_current_job()}"
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = str(local_rank)
+            env.pop(_MARKER, None)
+            if os.environ.get("PL_GLOBAL_SEED") is None:
+                env.pop("PL_GLOBAL_SEED", None)
+            hydra_job = _hydra_job_command(local_rank)
+            if hydra_job is not None:
+                command, cwd = hydra_job
+            else:
+                command, cwd = [sys.executable, *_argv_command()], None
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+
+def _argv_command() -> list[str]:
+    import __main__
+
+    if __main__.__spec__ is None:
+        return [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+    return ["-m", __main__.__spec__.name, *sys.argv[1:]]

@@ -1,0 +1,113 @@
+"""Per-step training telemetry: global grad norm, tokens/s, FLOP/s, MFU and peak memory per rank.
+
+Values are global, so every rank computes the same number and logs it once (rank 0's logger).
+Tokens/s counts data-parallel ranks only: tensor- and pipeline-parallel peers see the same
+tokens (Lightning's ThroughputMonitor multiplies by the world size instead).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from cuboid.grad_norm import global_grad_norm
+
+# Dense bf16 peak FLOP/s per device (shared/ANCHORS.md); MFU is reported only where known.
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Allocator peak on a GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class CuboidMonitor(L.Callback):
+    """Log ``train/grad_norm``, ``perf/tokens_per_s``, ``perf/flops_per_s``, ``perf/mfu`` (GPU with a
+    known peak) and ``perf/peak_mem_gb`` (max over ranks) every ``trainer.log_every_n_steps``.
+
+    Token and FLOP counts come from the LightningModule's ``tokens_in_batch(batch)`` and
+    ``flops_per_token(seq_len)`` when it has them (``cuboid.models.CausalLM`` does).
+    """
+
+    def __init__(self) -> None:
+        self._t_last: float | None = None
+        self._tokens = 0
+        self._seq_len = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
+        count = getattr(pl_module, "tokens_in_batch", None)
+        if count is not None and torch.is_tensor(batch):
+            self._tokens += count(batch)
+            self._seq_len = batch.shape[1] - 1
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self._log_now(trainer):
+            return
+        if not trainer.gradient_clip_val:  # no clipping: measure the norm here (all ranks take part)
+            mesh = getattr(trainer.strategy, "_device_mesh", None)
+            flattened = getattr(trainer.precision_plugin, "flattened_dims", {})
+            self._pending_norm = global_grad_norm(pl_module.parameters(), mesh, flattened)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.fit_loop._should_accumulate() and self._log_now(trainer, after_step=True):
+            self._log(trainer, pl_module)
+
+    def _log_now(self, trainer: L.Trainer, after_step: bool = False) -> bool:
+        step = trainer.global_step - (1 if after_step else 0)
+        return step % max(1, trainer.log_every_n_steps) == 0
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = pl_module.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        elapsed = now - (self._t_last or now)
+        self._t_last = now
+        strategy = trainer.strategy
+        dp_size = strategy.dp_mesh.size() if hasattr(strategy, "dp_mesh") else trainer.world_size
+        metrics: dict[str, float] = {}
+        stats = torch.tensor([float(peak_memory_bytes(device)), elapsed], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # slowest rank's time, largest peak
+        metrics["perf/peak_mem_gb"] = float(stats[0]) / 2**30
+        elapsed = float(stats[1])
+        if self._tokens and elapsed > 0:
+            tokens_per_s = self._tokens * dp_size / elapsed
+            metrics["perf/tokens_per_s"] = tokens_per_s
+            flops = getattr(pl_module, "flops_per_token", None)
+            if flops is not None:
+                flops_per_s = flops(self._seq_len) * tokens_per_s
+                metrics["perf/flops_per_s"] = flops_per_s
+                peak = device_peak_flops(device)
+                if peak is not None:
+                    metrics["perf/mfu"] = flops_per_s / (peak * trainer.world_size)
+        self._tokens = 0
+        norm = getattr(self, "_pending_norm", None)
+        if trainer.gradient_clip_val:  # clipping measured it, after on_before_optimizer_step
+            norm = getattr(trainer.precision_plugin, "last_grad_norm", None)
+        if norm is not None:
+            metrics["train/grad_norm"] = float(norm)
+            self._pending_norm = None
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
