@@ -21,6 +21,7 @@ import hydra
 import lightning as L
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
@@ -43,6 +44,13 @@ class LossHistory(L.Callback):
 
 def check_config(cfg: DictConfig) -> None:
     """Fail on settings that cannot work, before any process group starts."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(
+            f"Missing mandatory value: {', '.join(missing)}. Set it on the command line, e.g. {missing[0]}=VALUE."
+        )
+    if cfg.mode not in ("fit", "validate"):
+        raise ValueError(f"mode={cfg.mode!r}: choose 'fit' (train) or 'validate' (evaluate, e.g. with ckpt_path=DIR).")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ValueError(
             f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}. "
@@ -71,12 +79,20 @@ def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="pkg://cuboid.conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    check_config(cfg)
+    try:
+        check_config(cfg)
+        datamodule = instantiate(cfg.data)
+        task = instantiate(cfg.task)
+        strategy = instantiate(cfg.strategy)
+    except (InstantiationException, ValueError, TypeError, NotImplementedError) as err:
+        # A configuration mistake: one line naming the key and the fix, no stack trace.
+        raise SystemExit(f"cuboid: {err.__cause__ or err}") from None
+    run(cfg, datamodule, task, strategy)
+
+
+def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningModule, strategy: Any) -> None:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    datamodule = instantiate(cfg.data)
-    task = instantiate(cfg.task)
-    strategy = instantiate(cfg.strategy)
     logger = make_logger(cfg)
     history = LossHistory()
     callbacks: list[L.Callback] = [CuboidMonitor(), history]
@@ -94,10 +110,19 @@ def main(cfg: DictConfig) -> None:
             {**OmegaConf.to_container(cfg, resolve=True), "layout": layout, "world_size": world_size}
         )
     start = time.perf_counter()
-    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if cfg.mode == "validate":
+        trainer.validate(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    else:
+        trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     wall = time.perf_counter() - start
     ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
-    me = {"global": trainer.global_rank, "local": trainer.local_rank, "node": trainer.node_rank}
+    me = {
+        "global": trainer.global_rank,
+        "local": trainer.local_rank,
+        "node": trainer.node_rank,
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+    }
     if dist.is_initialized():
         dist.all_gather_object(ranks, me)
     else:
@@ -119,9 +144,10 @@ def main(cfg: DictConfig) -> None:
             "output_dir": str(out_dir),
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        losses = f", loss {history.losses[0]:.3f} -> {history.losses[-1]:.3f}" if history.losses else ""
         print(
-            f"Cuboid: {trainer.global_step} steps in {wall:.1f}s, loss {summary['first_loss']:.3f} -> "
-            f"{summary['last_loss']:.3f}, val ppl {summary['val_ppl']:.2f}; output in {out_dir}"
+            f"Cuboid: {trainer.global_step} steps in {wall:.1f}s{losses}, val ppl {summary['val_ppl']:.2f}; "
+            f"output in {out_dir}"
         )
         if logger and type(logger).__name__ == "WandbLogger":
             run_dir = Path(logger.experiment.dir).parent

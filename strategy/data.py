@@ -142,7 +142,9 @@ class TokenDataModule(L.LightningDataModule):
             val_multiple,
         )
         self.num_workers = num_workers
-        if path is None:
+        if path is not None:
+            load_tokens(path)  # fail now, before any process group starts, if it is missing or empty
+        else:
             self.sources = list(sources) if sources else [str(stdlib_sources())]
             for source in self.sources:
                 if not Path(source).exists():

@@ -48,6 +48,31 @@ def forget_previous_launch() -> None:
         dist.destroy_process_group()
 
 
+_AT_EXIT_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits.
+
+    A process that exits with a live gloo group can abort in C++ teardown ("terminate called
+    without an active exception"); Lightning's child-process observer then sees a non-zero exit
+    and kills the whole job, the next Hydra sweep job included.
+    """
+    global _AT_EXIT_REGISTERED
+    if _AT_EXIT_REGISTERED:
+        return
+    _AT_EXIT_REGISTERED = True
+    import atexit
+
+    def _destroy() -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(_destroy)
+
+
 def _hydra_job_command(local_rank: int) -> tuple[Sequence[str], str] | None:
     try:
         from hydra.core.hydra_config import HydraConfig

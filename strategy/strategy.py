@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from cuboid import checkpoint as ckpt
 from cuboid import materialize, plans
-from cuboid.launch import CuboidLauncher, forget_previous_launch
+from cuboid.launch import CuboidLauncher, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import ACMode, parallelize
 from cuboid.precision import CuboidPrecision
@@ -219,6 +219,7 @@ class CuboidStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        destroy_process_group_at_exit()
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
         self.precision_plugin.device_mesh = self._device_mesh

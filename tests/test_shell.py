@@ -1,0 +1,247 @@
+"""The user's shell: scripts/train.py (Hydra), W&B offline runs read back, sweeps, SLURM, bad input.
+
+Each test runs the real script as a subprocess on real local text (a slice of the Python
+standard library's sources) with real process groups (gloo) and a real offline W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, free_port, run_checked, worker_env
+from wandb_records import config, history, read_records
+
+from cuboid.data import TokenDataModule
+from cuboid.models import CausalLM, LlamaConfig
+
+TRAIN = str(ROOT / "scripts" / "train.py")
+SMALL = ["data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4"]
+
+
+def train(tmp: Path, *overrides: str, timeout: float = 300, env: dict | None = None) -> str:
+    sweep = ["-m"] if "-m" in overrides else []
+    args = [*sweep, f"data.cache_dir={tmp / 'cache'}", *SMALL, *(o for o in overrides if o != "-m")]
+    if not sweep:
+        args.append(f"hydra.run.dir={tmp / 'run'}")
+    return run_checked([sys.executable, TRAIN, *args], timeout=timeout, env=env, cwd=tmp)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def debug_task(tmp: Path) -> tuple[CausalLM, TokenDataModule]:
+    """The debug model and data exactly as the job builds them (same seed, same token file)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "debug.yaml"))
+    cfg.pop("_target_")
+    task = CausalLM(model=LlamaConfig(**cfg), init_seed=1234)
+    task.configure_model()
+    data = TokenDataModule(cache_dir=str(tmp / "cache"), max_bytes=300000, seq_len=64, batch_size=4)
+    data.setup()
+    return task, data
+
+
+@pytest.mark.slow
+def test_default_job_logs_true_values_to_one_offline_wandb_run(tmp_path: Path) -> None:
+    train(tmp_path, "trainer.max_steps=12", "trainer.log_every_n_steps=1", "trainer.val_check_interval=6")
+    run_dir = tmp_path / "run"
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs  # one run per job, not one per rank
+    records = read_records(next(runs[0].glob("run-*.wandb")))
+    cfg, rows = config(records), history(records)
+    assert cfg["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    assert cfg["world_size"] == 2 and cfg["strategy"]["_target_"] == "cuboid.CuboidStrategy"
+    losses = {r["trainer/global_step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert sorted(losses) == list(range(12))
+    # The loss logged at step 0 is the loss of the initial model on the two dp ranks' first batches.
+    task, data = debug_task(tmp_path)
+    sampler = [torch.utils.data.DistributedSampler(data.train_set, 2, r, shuffle=True, seed=1234) for r in (0, 1)]
+    with torch.no_grad():
+        per_rank = [task.loss(torch.stack([data.train_set[i] for i in list(s)[:4]])) for s in sampler]
+    assert losses[0] == pytest.approx(float(sum(per_rank) / 2), rel=1e-5)
+    assert losses[11] < losses[0] - 0.5  # it learns
+    perf = [r for r in rows if "perf/tokens_per_s" in r]
+    assert perf and all(r["perf/tokens_per_s"] > 0 and r["perf/peak_mem_gb"] > 0.05 for r in perf)
+    assert all(0 < r["train/grad_norm"] < 100 for r in rows if "train/grad_norm" in r)
+    assert any("lr-AdamW" in r for r in rows)
+    val = [r for r in rows if "val/loss" in r]
+    assert len(val) == 2 and all(r["val/ppl"] == pytest.approx(math.exp(r["val/loss"]), rel=1e-5) for r in val)
+    assert summary(run_dir)["losses"] == pytest.approx([losses[s] for s in range(12)])
+    assert (run_dir / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+
+
+def _single_process_val_ppl(tmp: Path) -> float:
+    task, data = debug_task(tmp)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in data.val_dataloader():
+            total += float(task.loss(batch)) * batch.shape[0]
+            count += batch.shape[0]
+    return math.exp(total / count)
+
+
+@pytest.mark.slow
+def test_sweep_over_world_size_gives_each_job_its_own_processes(tmp_path: Path) -> None:
+    """``-m trainer.devices=1,2``: two jobs, world size 1 then 2; validation perplexity is the same."""
+    sweep = tmp_path / "sweep"
+    train(
+        tmp_path,
+        "-m",
+        "mode=validate",
+        "logger=none",
+        "checkpoint=false",
+        "trainer.devices=1,2",
+        "trainer.limit_val_batches=1.0",
+        f"hydra.sweep.dir={sweep}",
+    )
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    s0, s1 = summary(jobs[0]), summary(jobs[1])
+    assert (s0["world_size"], s1["world_size"]) == (1, 2)
+    assert len({r["pid"] for r in s1["ranks"]}) == 2
+    expected = _single_process_val_ppl(tmp_path)
+    assert s0["val_ppl"] == pytest.approx(expected, rel=1e-5)
+    assert s1["val_ppl"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sweep_over_tensor_parallel_runs_each_job_once_with_its_own_wandb_run(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    train(
+        tmp_path,
+        "-m",
+        "strategy.tensor_parallel=1,2",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "trainer.log_every_n_steps=2",
+        f"hydra.sweep.dir={sweep}",
+    )
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "sweep"]  # one sweep directory, nothing else
+    for job, tp in zip(jobs, (1, 2), strict=True):
+        runs = list((job / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1
+        cfg = config(read_records(next(runs[0].glob("run-*.wandb"))))
+        assert cfg["layout"]["tp"] == tp and cfg["strategy"]["tensor_parallel"] == tp
+        assert summary(job)["steps"] == 6 and summary(job)["layout"]["tp"] == tp
+
+
+@pytest.mark.slow
+def test_validation_perplexity_under_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
+    train(
+        tmp_path,
+        "mode=validate",
+        "logger=none",
+        "checkpoint=false",
+        "strategy=fsdp_tp",
+        "trainer.limit_val_batches=1.0",
+    )
+    s = summary(tmp_path / "run")
+    assert s["layout"]["tp"] == 2
+    assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-5)
+
+
+def slurm_env(rank: int, nodes: int = 2, per_node: int = 2, port: int = 0, ntasks: int | None = None) -> dict:
+    return worker_env(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="cuboid-test",
+        SLURM_NTASKS=str(ntasks if ntasks is not None else nodes * per_node),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        SLURM_NNODES=str(nodes),
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank % per_node),
+        SLURM_NODEID=str(rank // per_node),
+        SLURM_NODELIST="localhost",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+@pytest.mark.slow
+def test_slurm_environment_two_nodes_by_two_tasks(tmp_path: Path) -> None:
+    """Four local processes with the variables SLURM sets for --nodes=2 --ntasks-per-node=2."""
+    port = free_port()
+    args = [
+        sys.executable,
+        TRAIN,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *SMALL,
+        "trainer.num_nodes=2",
+        "trainer.devices=2",
+        "strategy=fsdp_tp",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    procs = [
+        subprocess.Popen(
+            args, cwd=tmp_path, env=slurm_env(r, port=port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in range(4)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    s = summary(tmp_path / "run")
+    assert s["cluster_environment"] == "SLURMEnvironment"
+    assert s["world_size"] == 4 and s["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert [(r["global"], r["local"], r["node"]) for r in s["ranks"]] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    assert {r["pid"] for r in s["ranks"]} == {p.pid for p in procs}  # no process spawned besides SLURM's
+    assert {r["ppid"] for r in s["ranks"]} == {os.getpid()}
+    assert s["steps"] == 4 and s["last_loss"] < s["first_loss"]
+
+
+def test_slurm_task_count_that_does_not_match_nodes_fails_clearly(tmp_path: Path) -> None:
+    args = [
+        sys.executable,
+        TRAIN,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *SMALL,
+        "trainer.num_nodes=2",
+        "trainer.devices=2",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(
+        args, cwd=tmp_path, env=slurm_env(0, ntasks=3, port=free_port()), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "SLURM runs 3 tasks (SLURM_NTASKS) but the Trainer expects num_nodes (2) x devices (2) = 4" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=fsdp3"], "Could not find 'strategy/fsdp3'"),
+        (["data=tokens"], "Missing mandatory value: data.path"),
+        (["data=tokens", "data.path=/nonexistent/tokens.bin"], "data.path='/nonexistent/tokens.bin' does not exist"),
+        (["data=tokens", "data.path=EMPTY"], "is empty (0 tokens)"),
+        (["data.seq_len=512"], "data.seq_len=512 is longer than model.max_seq_len=256"),
+    ],
+)
+def test_bad_input_fails_with_one_clear_line(tmp_path: Path, overrides: list[str], message: str) -> None:
+    (tmp_path / "EMPTY").touch()
+    overrides = [o.replace("EMPTY", str(tmp_path / "EMPTY")) for o in overrides]
+    proc = subprocess.run(
+        [sys.executable, TRAIN, *SMALL[:1], *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr  # a message, not a stack trace
+    assert not (tmp_path / "run" / "checkpoints").exists()
