@@ -69,38 +69,39 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:
         block.compile()
 
 
+Part = tuple[nn.Module, Sequence[tuple[str, nn.Module]]]  # (root, its blocks): a model, or a pipeline stage
+
+
 def apply_fsdp(
-    roots: Sequence[nn.Module],
-    blocks: Sequence[tuple[str, nn.Module]],
+    parts: Sequence[Part],
     dp_mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
 ) -> None:
-    """FSDP2 per block, then on each root; prefetch the next block's all-gather.
+    """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather.
 
     Each block's parameters are all-gathered right before its forward and freed after it
-    (``reshard_after_forward=True``), and its gradients reduce-scattered in backward. Roots
-    (the LightningModule's top-level children with parameters) get the leftover parameters
-    (embeddings, final norm, head) and are kept unsharded between forward and backward.
+    (``reshard_after_forward=True``), and its gradients reduce-scattered in backward. A root (the
+    LightningModule's top-level child, or a pipeline stage) gets the leftover parameters
+    (embeddings, final norm, head) and is kept unsharded between forward and backward.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    for _, block in blocks:
-        shard(block, reshard_after_forward=reshard_after_forward)
-    for root in roots:
+    for root, blocks in parts:
+        for _, block in blocks:
+            shard(block, reshard_after_forward=reshard_after_forward)
         shard(root)
-    sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
-    for prev, nxt in zip(sharded, sharded[1:], strict=False):
-        prev.set_modules_to_forward_prefetch([nxt])
-        nxt.set_modules_to_backward_prefetch([prev])
+        sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
+        for prev, nxt in zip(sharded, sharded[1:], strict=False):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
 
 
 def parallelize(
-    roots: Sequence[nn.Module],
-    lightning_module: nn.Module,
-    blocks: Sequence[tuple[str, nn.Module]],
+    parts: Sequence[Part],
     *,
+    tp_root: nn.Module,
     tp_mesh: DeviceMesh,
     tp_plan: Mapping[str, ParallelStyle],
     dp_mesh: DeviceMesh,
@@ -110,9 +111,13 @@ def parallelize(
     reshard_after_forward: bool | int,
     cpu_offload: bool,
 ) -> None:
-    """Apply TP -> AC -> compile -> FSDP2, in that order (see DESIGN.md)."""
-    apply_tp(lightning_module, tp_mesh, tp_plan)
+    """Apply TP -> AC -> compile -> FSDP2, in that order (see DESIGN.md).
+
+    ``tp_plan`` names modules relative to ``tp_root``; ``parts`` are the FSDP roots with their blocks.
+    """
+    apply_tp(tp_root, tp_mesh, tp_plan)
+    blocks = [b for _, part_blocks in parts for b in part_blocks]
     apply_ac(blocks, activation_checkpointing)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(roots, blocks, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
+    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)

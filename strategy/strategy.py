@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from cuboid import checkpoint as ckpt
-from cuboid import materialize, plans
+from cuboid import materialize, pipeline, plans
 from cuboid.launch import CuboidLauncher, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import ACMode, parallelize
@@ -56,7 +56,10 @@ class CuboidStrategy(ParallelStrategy):
     ``fully_shard`` or makes DTensors, using ``self.device_mesh``) is respected as is.
 
     Args:
-        pipeline_parallel: Number of pipeline stages (the ``pp`` mesh dim). Only ``1`` for now.
+        pipeline_parallel: Pipeline-parallel degree (the ``pp`` mesh dim, outermost). The model must be
+            pipeline-ready (``pre -> blocks in an nn.ModuleDict -> post``, skipping pieces that are
+            ``None``); the LightningModule's ``training_step``/``validation_step`` run unchanged, as long
+            as they call ``self.model(...)`` once and issue no collectives themselves.
         data_parallel_replicate: HSDP replicas (``dp_replicate``): parameters are sharded within a
             replica group and replicated across groups. ``1`` = plain FSDP.
         data_parallel_shard: FSDP shard group size (``dp_shard``); ``"auto"`` fills the world size.
@@ -65,13 +68,21 @@ class CuboidStrategy(ParallelStrategy):
             ``"embedding"``, ``"output"``, ``"sequence_parallel"``), names as seen from the
             LightningModule, e.g. ``{"model.layers.*.attention.wq": "colwise"}``. Default: the
             model's own ``tp_plan`` (or a Hugging Face ``_tp_plan``), prefixed with its attribute name.
+        pipeline_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"``,
+            ``"ZBVZeroBubble"`` or ``"LoopedBFS"`` (``torch.distributed.pipelining``).
+        microbatches: Microbatches per step; each rank's batch size must be a multiple. Default:
+            ``2 x pipeline_parallel x virtual_stages``.
+        virtual_stages: Stages per rank: 1 for GPipe/1F1B, default 2 for the interleaved and V schedules.
+        pipeline_split: Blocks per stage (``pipeline_parallel x virtual_stages`` numbers); default even.
         block_container: Name of the ModuleList/ModuleDict whose children are the blocks
             (e.g. ``"model.layers"``). Default: found automatically.
         activation_checkpointing: ``None``, ``"full"`` (recompute each block in backward) or
             ``"selective"`` (keep matmul/attention outputs, recompute the rest).
         reshard_after_forward: ``True`` frees each block's gathered parameters after forward
             (ZeRO-3); ``False`` keeps them until backward (ZeRO-2 style, more memory, less
-            communication); an ``int`` reshards to a smaller group of that size.
+            communication); an ``int`` reshards to a smaller group of that size. ``None`` (default):
+            ``True``, except ``False`` under the zero-bubble schedules, whose split weight-gradient
+            pass needs the gathered parameters (with ``True`` the last stage's block gradients were lost).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
         compile: ``torch.compile`` each block.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
@@ -87,9 +98,13 @@ class CuboidStrategy(ParallelStrategy):
         data_parallel_shard: int | Literal["auto"] = "auto",
         tensor_parallel: int = 1,
         tensor_parallel_plan: Mapping[str, str] | None = None,
+        pipeline_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        pipeline_split: Sequence[int] | None = None,
         block_container: str | None = None,
         activation_checkpointing: ACMode | None = None,
-        reshard_after_forward: bool | int = True,
+        reshard_after_forward: bool | int | None = None,
         cpu_offload: bool = False,
         compile: bool = False,
         process_group_backend: str | None = None,
@@ -107,11 +122,31 @@ class CuboidStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipeline_parallel != 1:
-            raise NotImplementedError(
-                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism is not supported yet in this version "
-                "of Cuboid. Use pipeline_parallel=1 and scale with data_parallel_shard / tensor_parallel."
+        if virtual_stages is None:
+            virtual_stages = 2 if pipeline_schedule in pipeline.MULTI_STAGE else 1
+        if microbatches is None:
+            microbatches = 2 * pipeline_parallel * virtual_stages if pipeline_parallel > 1 else 1
+        if pipeline_parallel > 1:
+            pipeline.check_schedule(pipeline_schedule, pipeline_parallel, microbatches, virtual_stages)
+        zero_bubble = pipeline_parallel > 1 and pipeline_schedule in pipeline.ZERO_BUBBLE
+        if reshard_after_forward is None:
+            reshard_after_forward = not zero_bubble
+        elif zero_bubble and reshard_after_forward is not False:
+            raise pipeline.PipelineError(
+                f"pipeline_schedule={pipeline_schedule!r} splits backward into input and weight passes, which needs "
+                f"each block's parameters kept gathered between forward and backward: use reshard_after_forward=False "
+                f"(or leave it None), not {reshard_after_forward!r}."
             )
+        if zero_bubble and activation_checkpointing is not None:
+            raise pipeline.PipelineError(
+                f"activation_checkpointing={activation_checkpointing!r} does not combine with {pipeline_schedule!r} "
+                "yet: its split backward re-runs each checkpointed block twice, which torch's checkpoint refuses. "
+                "Use pipeline_schedule='1F1B' or 'Interleaved1F1B', or activation_checkpointing=None."
+            )
+        self.pipeline_schedule = pipeline_schedule
+        self.microbatches = microbatches
+        self.virtual_stages = virtual_stages
+        self.pipeline_split = list(pipeline_split) if pipeline_split is not None else None
         if activation_checkpointing not in (None, "full", "selective"):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r}; choose None, 'full' or 'selective'."
@@ -130,6 +165,9 @@ class CuboidStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
+        self._pipeline: pipeline.PipelineRunner | None = None
+        self._pipeline_owner = ""
+        self._stashed_grads: list[Tensor | None] = []
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout and mesh
@@ -280,25 +318,72 @@ class CuboidStrategy(ParallelStrategy):
             lm.to(self.root_device)
             materialize.broadcast_from_rank0(lm)
         blocks = plans.find_blocks(lm, self.block_container)
-        roots = [child for _, child in lm.named_children() if any(True for _ in child.parameters())]
-        parallelize(
-            roots,
-            lm,
-            blocks,
-            tp_mesh=mesh["tp"],
-            tp_plan=plans.parallel_plan(matched),
-            dp_mesh=fsdp_mesh(mesh),
-            mp_policy=self.precision_plugin.mixed_precision_policy,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload,
-        )
+        common = {
+            "tp_mesh": mesh["tp"],
+            "dp_mesh": fsdp_mesh(mesh),
+            "mp_policy": self.precision_plugin.mixed_precision_policy,
+            "activation_checkpointing": self.activation_checkpointing,
+            "compile": self.compile,
+            "reshard_after_forward": self.reshard_after_forward,
+            "cpu_offload": self.cpu_offload,
+        }
+        if self.layout.pp > 1:
+            stage_modules = self._split_pipeline(lm, blocks, matched, common)
+        else:
+            roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
+            parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
+            parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
         if is_meta:
             materialize.materialize_from_twins(lm, twins, self.root_device)
+        if self.layout.pp > 1:
+            self._build_schedule(stage_modules)
         rank_zero_info(
-            f"Cuboid: {len(blocks)} blocks sharded ({blocks[0][0] if blocks else 'none found'} ...), "
-            f"tp plan on {len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
+            f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
+            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
+            + (
+                f", {self.pipeline_schedule} over {self.layout.pp} stages x {self.virtual_stages}"
+                if self.layout.pp > 1
+                else ""
+            )
+        )
+
+    def _split_pipeline(
+        self, lm: pl.LightningModule, blocks: list, matched: dict, common: dict[str, Any]
+    ) -> list[tuple[int, nn.Module]]:
+        """Keep this rank's pipeline stages, then apply TP/AC/compile/FSDP2 to each stage."""
+        split = pipeline.find_pipeline_split(lm, blocks)
+        n_stages = self.layout.pp * self.virtual_stages
+        per_stage = pipeline.stage_blocks(len(split.block_keys), n_stages, self.pipeline_split)
+        pp_rank = self.device_mesh["pp"].get_local_rank()
+        my_stages = pipeline.stage_ids(pp_rank, self.layout.pp, self.virtual_stages, self.pipeline_schedule)
+        owner = getattr(lm, split.owner)
+        _, stage_modules = pipeline.build_stages(owner, split, my_stages, per_stage)
+        prefix = f"{split.owner}."
+        for stage in stage_modules:
+            names = {n for n, _ in stage.named_modules()}
+            relative = {n[len(prefix) :]: v for n, v in matched.items() if n[len(prefix) :] in names}
+            stage_blocks = [(f"{prefix}{split.container}.{k}", b) for k, b in stage._modules[split.container].items()]
+            parallelize([(stage, stage_blocks)], tp_root=stage, tp_plan=plans.parallel_plan(relative), **common)
+        self._pipeline_owner = split.owner
+        return list(zip(my_stages, stage_modules, strict=True))
+
+    def _build_schedule(self, stage_modules: list[tuple[int, nn.Module]]) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        pp_mesh = self.device_mesh["pp"]
+        n_stages = self.layout.pp * self.virtual_stages
+        stages = [
+            PipelineStage(module, sid, n_stages, self.root_device, group=pp_mesh.get_group())
+            for sid, module in stage_modules
+        ]
+        last_pp_rank = 0 if self.pipeline_schedule in pipeline.V_SHAPED else self.layout.pp - 1
+        self._pipeline = pipeline.PipelineRunner(
+            stages,
+            self.pipeline_schedule,
+            self.microbatches,
+            self._pipeline_owner,
+            pp_mesh.get_group(),
+            dist.get_global_rank(pp_mesh.get_group(), last_pp_rank),
         )
 
     def _check_reshard_after_forward(self) -> None:
@@ -323,6 +408,95 @@ class CuboidStrategy(ParallelStrategy):
         """``empty_init=True`` builds on the meta device; Cuboid materializes shards in ``setup``."""
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
+
+    # ------------------------------------------------------------------ pipelined steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1 the strategy owns the step: the schedule runs forward and backward of every
+        microbatch; the loss returned (the microbatch mean) is the same on every rank."""
+        if self.layout.pp == 1:
+            return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        batch, batch_idx = self._batch_and_index(args, kwargs)
+        accumulate = trainer.accumulate_grad_batches
+        params = [p for p in self.lightning_module.parameters()]
+        first_of_window = batch_idx % accumulate == 0
+        previous = [None if first_of_window else p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._pipeline.run(self.lightning_module, "training_step", batch, batch_idx, True, 1 / accumulate)
+        # Lightning zeroes gradients *after* training_step (at a window start) and then calls backward:
+        # keep the schedule's gradients aside until backward() puts them back.
+        self._stashed_grads = [
+            g if prev is None else (prev if g is None else g + prev)
+            for g, prev in zip((p.grad for p in params), previous, strict=True)
+        ]
+        for p in params:
+            p.grad = None
+        self._after_pipelined_step()
+        return torch.tensor(float("nan") if loss is None else loss, device=self.root_device)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.layout.pp == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        params = list(self.lightning_module.parameters())
+        for p, g in zip(params, self._stashed_grads, strict=True):
+            p.grad = g
+        self._stashed_grads = []
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layout.pp > 1:
+            raise NotImplementedError(
+                "trainer.predict is not supported with pipeline_parallel > 1: predictions live on the last stage. "
+                "Run predict with pipeline_parallel=1 (a checkpoint loads into any layout)."
+            )
+        return super().predict_step(*args, **kwargs)
+
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        if self.layout.pp == 1:
+            return getattr(super(), hook)(*args, **kwargs)
+        batch, batch_idx = self._batch_and_index(args, kwargs)
+        with torch.no_grad(), self.precision_plugin.val_step_context():
+            loss = self._pipeline.run(self.lightning_module, hook, batch, batch_idx, False)
+        self._after_pipelined_step()
+        return None if loss is None else torch.tensor(loss, device=self.root_device)
+
+    def _after_pipelined_step(self) -> None:
+        pipeline.sync_metric_states(self.lightning_module, self._pipeline.last_stage_rank, self._pipeline.pp_group)
+
+    @staticmethod
+    def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        return batch, batch_idx
+
+    def on_train_start(self) -> None:
+        """Refuse, before the first step, an epoch whose last batch the microbatches cannot split."""
+        if self.layout.pp == 1:
+            return
+        loader = self.lightning_module.trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None)
+        if not batch_size or getattr(loader, "drop_last", False):
+            return
+        samples = len(loader.sampler) if hasattr(loader, "sampler") else None
+        if samples and samples % batch_size and (samples % batch_size) % self.microbatches:
+            raise pipeline.PipelineError(
+                f"the last batch of each epoch holds {samples % batch_size} samples ({samples} per rank, batch size "
+                f"{batch_size}), not divisible by microbatches={self.microbatches}. Use DataLoader(drop_last=True), "
+                f"or a dataset size per rank that is a multiple of the batch size."
+            )
+        if batch_size % self.microbatches:
+            raise pipeline.PipelineError(
+                f"batch size {batch_size} is not divisible by microbatches={self.microbatches}; use a multiple of "
+                f"{self.microbatches}."
+            )
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

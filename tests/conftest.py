@@ -64,6 +64,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not table:
         return
     terminalreporter.section("parity vs single-process fp32 (bound: loss rel 1e-5, params abs 1e-5)")
-    terminalreporter.write_line(f"{'layout':28s} {'max rel loss err':>18s} {'max abs param err':>18s}")
+    terminalreporter.write_line(f"{'layout':50s} {'max rel loss err':>18s} {'max abs param err':>18s}")
     for name, (loss_err, param_err) in table.items():
-        terminalreporter.write_line(f"{name:28s} {loss_err:18.2e} {param_err:18.2e}")
+        terminalreporter.write_line(f"{name:50s} {loss_err:18.2e} {param_err:18.2e}")

@@ -63,8 +63,6 @@ class LlamaModule(L.LightningModule):
         super().__init__()
         self.meta_init = meta_init
         self.model: Llama | None = None if meta_init else initial_model()
-        self.losses: list[float] = []
-        self.seen: list[list[int]] = []
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -76,8 +74,6 @@ class LlamaModule(L.LightningModule):
         tokens = batch["tokens"]
         loss = lm_loss(self.model(tokens[:, :-1]), tokens)
         self.log("train_loss", loss, sync_dist=True)
-        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
-        self.seen.append(batch["idx"].tolist())
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

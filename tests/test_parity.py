@@ -35,6 +35,38 @@ for layout, world, kwargs in [
     RUNS[f"{layout}-ac_selective"] = (world, {**kwargs, "activation_checkpointing": "selective"}, 1, False)
     RUNS[f"{layout}-accum2"] = (world, kwargs, 2, False)
 RUNS["dp2xtp2-meta_init"] = (4, {"tensor_parallel": 2}, 1, True)
+# Pipeline parallel: every schedule at pp=2, then pp composed with dp and tp, and the 8-process 3D cube.
+PP = {"pipeline_parallel": 2}
+RUNS["pp2-1F1B"] = (2, PP, 1, False)
+RUNS["pp2-GPipe-accum2"] = (2, {**PP, "pipeline_schedule": "GPipe"}, 2, False)
+RUNS["pp2-Interleaved1F1B-ac_full"] = (
+    2,
+    {**PP, "pipeline_schedule": "Interleaved1F1B", "activation_checkpointing": "full"},
+    1,
+    False,
+)
+RUNS["pp2-InterleavedZeroBubble"] = (2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"}, 1, False)
+RUNS["pp2-ZBVZeroBubble"] = (2, {**PP, "pipeline_schedule": "ZBVZeroBubble"}, 1, False)
+RUNS["pp2xdp2-1F1B-accum2"] = (4, PP, 2, False)
+RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = (
+    4,
+    {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
+    1,
+    True,
+)
+RUNS["pp2xdp2xtp2-1F1B"] = (8, {**PP, "tensor_parallel": 2}, 1, False)
+RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = (
+    8,
+    {
+        **PP,
+        "tensor_parallel": 2,
+        "pipeline_schedule": "Interleaved1F1B",
+        "microbatches": 4,
+        "activation_checkpointing": "selective",
+    },
+    2,
+    False,
+)
 
 
 # layout -> (max relative loss error, max abs parameter error); printed at the end of the run.
@@ -82,7 +114,7 @@ def test_loss_and_parameters_match_single_process(name: str, results, references
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in RUNS if "-" not in n])
+@pytest.mark.parametrize("name", [n for n in RUNS if "-" not in n and not n.startswith("pp")])
 def test_layout_is_real(name: str, results) -> None:
     world, kwargs, _, _ = RUNS[name]
     tp, rep = kwargs.get("tensor_parallel", 1), kwargs.get("data_parallel_replicate", 1)
@@ -126,3 +158,26 @@ def test_activation_checkpointing_is_real(layout: str, results) -> None:
     ops = {ac: results[f"{layout}{ac}"]["ranks"][0]["backward_ops"] for ac in ("", "-ac_selective", "-ac_full")}
     assert ops[""]["total"] < ops["-ac_selective"]["total"] < ops["-ac_full"]["total"], ops
     assert ops[""]["mm"] == ops["-ac_selective"]["mm"] < ops["-ac_full"]["mm"], ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("pp")])
+def test_pipeline_is_real(name: str, results) -> None:
+    """Each rank holds only its stages' blocks; the schedule is the one asked for; every rank logs the same loss."""
+    world, kwargs, _, _ = RUNS[name]
+    schedule = kwargs.get("pipeline_schedule", "1F1B")
+    ranks = results[name]["ranks"]
+    n_stages = 4 if schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") else 2
+    per_stage = 4 // n_stages
+    mesh = torch.tensor(results[name]["mesh"])  # (pp, dp_replicate, dp_shard, tp) -> global rank
+    for facts in ranks:
+        assert facts["schedule"] == f"Schedule{schedule}"
+        pp_rank = int((mesh == facts["rank"]).nonzero()[0, 0])
+        stages = [pp_rank, 2 * 2 - 1 - pp_rank] if schedule == "ZBVZeroBubble" else list(range(pp_rank, n_stages, 2))
+        blocks = {str(b) for s in stages for b in range(s * per_stage, (s + 1) * per_stage)}
+        held = {p.split(".")[2] for p in facts["params"] if p.startswith("model.layers.")}
+        assert held == blocks, (facts["rank"], held, blocks)
+        assert ("model.tok_embeddings.weight" in facts["params"]) == (0 in stages)
+        assert ("model.output.weight" in facts["params"]) == (n_stages - 1 in stages)
+        assert facts["logged"] == ranks[0]["logged"]  # rank 0 (stage 0) logs the same loss as the last stage
+    assert results[name]["losses"] == pytest.approx(ranks[0]["logged"], rel=1e-6)

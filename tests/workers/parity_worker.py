@@ -38,10 +38,22 @@ def local_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 class Facts(L.Callback):
+    """What each rank saw: samples per step, the dp-mean loss per step, persistent bytes."""
+
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
+        self.losses: list[float] = []
+        self.logged: list[float] = []
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(batch["idx"].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # outputs["loss"] is what Lightning backpropagates: the step's loss / accumulate_grad_batches.
+        loss = outputs["loss"].detach() * trainer.accumulate_grad_batches
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
         # After the first optimizer step: sharded parameters, gradients and AdamW state all exist.
         if not self.bytes and trainer.global_step == 1:
             self.bytes = local_bytes(pl_module, trainer.optimizers[0])
@@ -93,7 +105,7 @@ def run(spec: dict, out_dir: Path) -> None:
     trainer.fit(module, loader)
     placements = {
         n: (
-            str(p.device_mesh.mesh_dim_names),
+            list(p.device_mesh.mesh_dim_names),
             [str(pl) for pl in p.placements],
             list(p.to_local().shape),
             list(p.shape),
@@ -102,20 +114,27 @@ def run(spec: dict, out_dir: Path) -> None:
         if isinstance(p, DTensor)
     }
     mine = {
-        "seen": module.seen,
+        "seen": facts.seen,
+        "losses": facts.losses,
+        "logged": facts.logged,
         "placements": placements,
         "bytes": facts.bytes,
         "rank": dist.get_rank(),
         "dp_rank": strategy.dp_mesh.get_local_rank(),
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
-        "backward_ops": backward_ops(module),
+        "backward_ops": backward_ops(module) if strategy.layout.pp == 1 else None,
+        "params": sorted(n for n, _ in module.named_parameters()),
+        "schedule": type(strategy._pipeline.schedule).__name__ if strategy._pipeline else None,
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
+    own = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, own)  # pipeline stages hold different parameters
+    full = {k: v for share in shares for k, v in share.items()}
     if dist.get_rank() == 0:
         result = {
-            "losses": module.losses,
+            "losses": facts.losses,
             "params": full,
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),
