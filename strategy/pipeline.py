@@ -200,18 +200,32 @@ class _Captured(Exception):  # noqa: N818  (control flow, not an error)
         self.args_, self.kwargs_ = args, kwargs
 
 
-class _CaptureInput(nn.Module):
+class _StandIn(nn.Module):
+    """Takes the model's place during a pipelined step; other attributes come from the real model."""
+
+    def __init__(self, real: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_real"), name)
+
+
+class _CaptureInput(_StandIn):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise _Captured(args, kwargs)
 
 
-class _StageOutput(nn.Module):
-    def __init__(self, output: Any) -> None:
-        super().__init__()
-        self.output = output
+class _StageOutput(_StandIn):
+    def __init__(self, real: nn.Module, output: Any) -> None:
+        super().__init__(real)
+        object.__setattr__(self, "_output", output)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.output
+        return object.__getattribute__(self, "_output")
 
 
 class _LogRecorder:
@@ -261,8 +275,9 @@ class PipelineRunner:
         # schedule also calls the loss function once to infer gradient metadata.
         results: dict[int, tuple[float, list]] = {}
 
+        real = getattr(lm, self.owner_name)
+
         def call_user(mb: Any, standin: nn.Module, recorder: _LogRecorder) -> Any:
-            real = getattr(lm, self.owner_name)
             lm._modules[self.owner_name] = standin
             lm.__dict__["log"], lm.__dict__["log_dict"] = recorder.log, recorder.log_dict
             try:
@@ -273,7 +288,7 @@ class PipelineRunner:
 
         def step_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
             recorder = _LogRecorder()
-            out = call_user(mbs[int(target)], _StageOutput(output), recorder)
+            out = call_user(mbs[int(target)], _StageOutput(real, output), recorder)
             loss = out["loss"] if isinstance(out, dict) else out
             if loss is None:
                 results[int(target)] = (float("nan"), recorder.calls)
@@ -282,8 +297,16 @@ class PipelineRunner:
             return loss * loss_scale
 
         inputs: tuple = ()
+        problem: str | None = None
         if self.has_first:
-            inputs = self._capture_input(call_user, batch, hook)
+            try:
+                inputs = self._capture_input(call_user, batch, hook, real)
+            except PipelineError as err:
+                problem = str(err)
+        box_problem = [problem]  # every stage must stop, not only the first (the others would wait forever)
+        dist.broadcast_object_list(box_problem, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+        if box_problem[0] is not None:
+            raise PipelineError(box_problem[0])
         self._step_loss = step_loss
         target = torch.arange(self.microbatches) if self.has_last else None
         run = self.schedule.step if train else self.schedule.eval
@@ -298,9 +321,9 @@ class PipelineRunner:
         finite = [loss for loss, _ in per_mb if loss == loss]
         return sum(finite) / len(finite) if finite else None
 
-    def _capture_input(self, call_user: Callable, batch: Any, hook: str) -> tuple:
+    def _capture_input(self, call_user: Callable, batch: Any, hook: str, real: nn.Module) -> tuple:
         try:
-            call_user(batch, _CaptureInput(), _LogRecorder())
+            call_user(batch, _CaptureInput(real), _LogRecorder())
         except _Captured as captured:
             if captured.kwargs_:
                 raise PipelineError(

@@ -37,9 +37,71 @@ def test_strategy_is_registered_by_name() -> None:
     assert isinstance(trainer.strategy, CuboidStrategy)
 
 
-def test_pipeline_parallel_is_not_supported_yet() -> None:
-    with pytest.raises(NotImplementedError, match="pipeline_parallel=2"):
-        CuboidStrategy(pipeline_parallel=2)
+def test_pipeline_arguments_are_checked_up_front() -> None:
+    from cuboid.pipeline import PipelineError
+
+    with pytest.raises(
+        PipelineError,
+        match=r"1F1B needs at least as many microbatches as pipeline stages: microbatches=2 < pipeline_parallel=4",
+    ):
+        CuboidStrategy(pipeline_parallel=4, microbatches=2)
+    with pytest.raises(PipelineError, match="pipeline_schedule='Chimera' is unknown; choose one of GPipe, 1F1B"):
+        CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Chimera")
+    with pytest.raises(PipelineError, match="use reshard_after_forward=False"):
+        CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", reshard_after_forward=True)
+    with pytest.raises(PipelineError, match="activation_checkpointing='full' does not combine with 'ZBVZeroBubble'"):
+        CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", activation_checkpointing="full")
+    assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble").reshard_after_forward is False
+    assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Interleaved1F1B").microbatches == 8
+
+
+def test_blocks_not_divisible_by_stages_need_an_explicit_split() -> None:
+    from cuboid.pipeline import PipelineError, stage_blocks
+
+    with pytest.raises(
+        PipelineError, match=r"6 blocks, not divisible by 4 pipeline stages. Pass pipeline_split=\[...\]"
+    ):
+        stage_blocks(6, 4, None)
+    assert stage_blocks(6, 4, [2, 1, 2, 1]) == [[0, 1], [2], [3, 4], [5]]
+    with pytest.raises(PipelineError, match="must have 4 non-negative numbers"):
+        stage_blocks(6, 4, [3, 3])
+
+
+def test_batch_not_divisible_by_microbatches_is_refused() -> None:
+    from cuboid.pipeline import PipelineError, split_batch
+
+    with pytest.raises(PipelineError, match="batch size 6 is not divisible by microbatches=4"):
+        split_batch({"tokens": torch.zeros(6, 3)}, 4)
+    parts = split_batch({"tokens": torch.arange(8).view(8, 1), "tag": "x"}, 4)
+    assert [p["tokens"].flatten().tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_model_that_is_not_pipeline_ready_says_what_is_missing() -> None:
+    from cuboid.pipeline import PipelineError, find_pipeline_split
+
+    class ListModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ListModel()
+
+    lm = Module()
+    with pytest.raises(PipelineError, match=r"model.layers is an nn.ModuleList; .* nn.ModuleDict keyed '0', '1'"):
+        find_pipeline_split(lm, find_blocks(lm))
+    with pytest.raises(PipelineError, match="no repeated blocks"):
+        find_pipeline_split(lm, [])
+    split = find_pipeline_split(Wrapper(LlamaConfig()), find_blocks(Wrapper(LlamaConfig())))
+    assert (split.owner, split.container, split.pre, split.post) == (
+        "model",
+        "layers",
+        ["tok_embeddings"],
+        ["norm", "output"],
+    )
 
 
 def test_unknown_style_lists_the_valid_ones() -> None:

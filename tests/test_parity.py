@@ -69,6 +69,31 @@ RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = (
 )
 
 
+# Pipelined runs that must stop before the first step, with a message that says what to change.
+PIPELINE_ERRORS = [
+    # 92 samples in batches of 8: the last batch holds 4, which 8 microbatches cannot split.
+    {
+        "name": "err-partial-last-batch",
+        "expect_error": True,
+        "samples": 92,
+        "batch_size": 8,
+        "strategy": {"pipeline_parallel": 2, "microbatches": 8},
+    },
+    {
+        "name": "err-batch-6-microbatches-4",
+        "expect_error": True,
+        "batch_size": 6,
+        "strategy": {"pipeline_parallel": 2, "microbatches": 4},
+    },
+    {
+        "name": "err-step-without-model-call",
+        "expect_error": True,
+        "module": "no_model_call",
+        "strategy": {"pipeline_parallel": 2},
+    },
+]
+
+
 # layout -> (max relative loss error, max abs parameter error); printed at the end of the run.
 PARITY_TABLE: dict[str, tuple[float, float]] = {}
 
@@ -82,8 +107,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             for name, (w, kw, acc, meta) in RUNS.items()
             if w == world
         ]
+        if world == 2:
+            specs += PIPELINE_ERRORS
         torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RUNS}
+    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RUNS}
+    loaded.update({s["name"]: json.loads((out / f"{s['name']}.error.json").read_text()) for s in PIPELINE_ERRORS})
+    return loaded
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +210,19 @@ def test_pipeline_is_real(name: str, results) -> None:
         assert ("model.output.weight" in facts["params"]) == (n_stages - 1 in stages)
         assert facts["logged"] == ranks[0]["logged"]  # rank 0 (stage 0) logs the same loss as the last stage
     assert results[name]["losses"] == pytest.approx(ranks[0]["logged"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "err-partial-last-batch",
+            "last batch of each epoch holds 4 samples (92 per rank, batch size 8), not divisible by microbatches=8",
+        ),
+        ("err-batch-6-microbatches-4", "batch size 6 is not divisible by microbatches=4"),
+        ("err-step-without-model-call", "training_step never calls self.model(...)"),
+    ],
+)
+def test_pipeline_refuses_what_it_cannot_split(name: str, message: str, results) -> None:
+    assert results[name]["error"] is not None and message in results[name]["error"], results[name]

@@ -28,7 +28,7 @@ SMALL = ["data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4"]
 def train(tmp: Path, *overrides: str, timeout: float = 300, env: dict | None = None) -> str:
     sweep = ["-m"] if "-m" in overrides else []
     args = [*sweep, f"data.cache_dir={tmp / 'cache'}", *SMALL, *(o for o in overrides if o != "-m")]
-    if not sweep:
+    if not sweep and not any(o.startswith("hydra.run.dir=") for o in overrides):
         args.append(f"hydra.run.dir={tmp / 'run'}")
     return run_checked([sys.executable, TRAIN, *args], timeout=timeout, env=env, cwd=tmp)
 
@@ -245,3 +245,36 @@ def test_bad_input_fails_with_one_clear_line(tmp_path: Path, overrides: list[str
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr  # a message, not a stack trace
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_3d_preset_validates_like_one_process_and_trains(tmp_path: Path) -> None:
+    """strategy=3d on 8 processes (pp2 x dp2 x tp2): the pipelined validation gives the single-process
+    perplexity, and training runs with the loss logged from the last stage on rank 0."""
+    train(
+        tmp_path,
+        "mode=validate",
+        "logger=none",
+        "checkpoint=false",
+        "strategy=3d",
+        "trainer.devices=8",
+        "trainer.limit_val_batches=1.0",
+        timeout=600,
+    )
+    s = summary(tmp_path / "run")
+    assert s["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-5)
+    train(
+        tmp_path,
+        "logger=csv",
+        "checkpoint=false",
+        "strategy=3d",
+        "trainer.devices=8",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "hydra.run.dir=" + str(tmp_path / "run3d"),
+        timeout=600,
+    )
+    s = summary(tmp_path / "run3d")
+    assert s["steps"] == 6 and len(s["losses"]) == 6 and s["losses"][-1] < s["losses"][0]
+    assert math.isfinite(s["val_ppl"])

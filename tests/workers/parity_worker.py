@@ -81,12 +81,33 @@ def backward_ops(module: LlamaModule) -> dict[str, int]:
     return {"total": sum(counter.ops.values()), "mm": counter.ops.get("mm", 0)}
 
 
+class NoModelCall(LlamaModule):
+    """A step that never calls self.model: it cannot be pipelined, and must say so."""
+
+    def training_step(self, batch, batch_idx):
+        return batch["tokens"].float().mean().requires_grad_()
+
+
+def run_expecting_error(spec: dict, out_dir: Path) -> None:
+    """Run a spec that must fail before training; rank 0 records the error message."""
+    try:
+        run(spec, out_dir)
+        message = None
+    except Exception as err:  # noqa: BLE001  (the message is what the test checks)
+        message = f"{type(err).__name__}: {err}"
+    if dist.get_rank() == 0:
+        (out_dir / f"{spec['name']}.error.json").write_text(json.dumps({"error": message}))
+    dist.barrier()
+
+
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
     strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
     dp = world // (strategy.layout.tp * strategy.layout.pp)
-    module = LlamaModule(meta_init=spec.get("meta_init", False))
+    module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
+        meta_init=spec.get("meta_init", False)
+    )
     facts = Facts()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -101,7 +122,8 @@ def run(spec: dict, out_dir: Path) -> None:
         enable_model_summary=False,
         callbacks=[facts],
     )
-    loader = DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH // dp)
+    dataset = TokenDataset(n=spec.get("samples", 96))
+    loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp))
     trainer.fit(module, loader)
     placements = {
         n: (
@@ -147,7 +169,7 @@ def run(spec: dict, out_dir: Path) -> None:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     for spec in json.loads(sys.argv[2]):
-        run(spec, out_dir)
+        (run_expecting_error if spec.get("expect_error") else run)(spec, out_dir)
 
 
 if __name__ == "__main__":
