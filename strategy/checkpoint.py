@@ -10,7 +10,7 @@ real name.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,54 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 META_FILE = "meta.pt"
+RNG_DIR = "rng"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; nothing was changed."""
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def check_loadable(path: Path) -> None:
+    """Refuse, with a clear message, anything that is not a complete Cuboid checkpoint."""
+    if path.name.startswith(".") and ".tmp" in path.name:
+        raise CheckpointError(
+            f"{path} is the temporary directory of a save that never finished; load the previous complete "
+            f"checkpoint instead (its directory has no leading dot)."
+        )
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file, not a Cuboid sharded checkpoint (a directory written by CuboidStrategy with "
+            f"'.metadata' and '{META_FILE}')."
+        )
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a complete Cuboid checkpoint: {', '.join(missing)} missing. A save that was "
+            f"interrupted leaves only a hidden '.<name>.tmp' directory; load the previous checkpoint."
+        )
+
+
+def _check_keys(path: Path, expected: dict[str, Any]) -> None:
+    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    wanted = {f"model.{k}" for k in expected}
+    if dist.is_initialized():  # pipeline stages each hold part of the model: compare the union
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, wanted)
+        wanted = set().union(*everyone)
+    have = {k for k in stored if k.startswith("model.")}
+    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} holds another model: {len(missing)} parameters missing (e.g. {[m[6:] for m in missing[:3]]}) "
+            f"and {len(unexpected)} unexpected (e.g. {[u[6:] for u in unexpected[:3]]}). Nothing was loaded."
+        )
 
 
 def _rank() -> int:
@@ -45,7 +88,11 @@ def _barrier() -> None:
 
 
 def save_sharded(
-    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], lightning_state: dict[str, Any]
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    lightning_state: dict[str, Any],
+    storage_writer: Callable[[Path], Any] | None = None,
 ) -> None:
     """Write ``path`` atomically: into ``path.tmp-<name>``, then rename once all ranks are done."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -57,7 +104,9 @@ def save_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, storage_writer=storage_writer(tmp) if storage_writer else None)
+    (tmp / RNG_DIR).mkdir(exist_ok=True)
+    torch.save(_collect_rng_states(), tmp / RNG_DIR / f"rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(lightning_state, tmp / META_FILE)
     _barrier()
@@ -74,17 +123,79 @@ def save_sharded(
 
 
 def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True) -> dict[str, Any]:
-    """Load model (and optimizer) shards into the current layout; return Lightning's state."""
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(
-            f"{path} is not a Cuboid sharded checkpoint (a directory with '.metadata' and '{META_FILE}')."
-        )
+    """Load model (and optimizer) shards into the current layout; return Lightning's state.
+
+    DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
+    from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
+    when the world size is the same as at save time.
+    """
+    check_loadable(path)
     state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    if strict:
+        _check_keys(path, state["model"])
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as err:  # DCP wraps per-rank read failures
+        raise CheckpointError(f"could not read the shards of {path} (corrupted or incomplete?): {err}") from err
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for idx, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
-    # meta.pt holds Lightning's loop/callback state written by this library: plain containers.
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    # meta.pt holds Lightning's loop/callback state written by this library (pickled: load trusted checkpoints).
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
+    saved_world = meta.get("cuboid", {}).get("world_size")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rng_file.is_file() and saved_world == world:
+        _set_rng_states(torch.load(rng_file, map_location="cpu", weights_only=False))
+    return meta
+
+
+def _collect_rng_states() -> dict[str, Any]:
+    from lightning.fabric.utilities.seed import _collect_rng_states as collect
+
+    return collect(include_cuda=torch.cuda.is_available())
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    from lightning.fabric.utilities.seed import _set_rng_states as restore
+
+    restore(states)
+
+
+class SkipFirstBatches:
+    """Wraps a train DataLoader so its next epoch starts ``skip`` batches in (mid-epoch resume).
+
+    The skipped batches are drawn and dropped, so the sampler (seeded per epoch) hands every rank the
+    same samples after resume as in the uninterrupted run. Later epochs are not affected. Has
+    ``state_dict``/``load_state_dict`` so Lightning treats it as resumable.
+    """
+
+    def __init__(self, loader: Any, skip: int, epoch: int) -> None:
+        self._loader, self._skip, self._epoch = loader, skip, epoch
+
+    def __iter__(self) -> Any:
+        skip, self._skip = self._skip, 0
+        if skip:
+            # Lightning creates the iterator before it sets the sampler's epoch: set it, or a resumed
+            # epoch > 0 would be shuffled like epoch 0.
+            from lightning.fabric.utilities.data import _set_sampler_epoch
+
+            _set_sampler_epoch(self._loader, self._epoch)
+        iterator = iter(self._loader)
+        for _ in range(skip):
+            next(iterator, None)
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

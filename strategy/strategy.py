@@ -167,6 +167,9 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
         self._pipeline: pipeline.PipelineRunner | None = None
+        self._resume_skip = 0
+        # Advanced: a callable (directory -> DCP StorageWriter) to write checkpoints elsewhere or differently.
+        self.checkpoint_storage_writer: Any = None
         self._pipeline_owner = ""
         self._stashed_grads: list[Tensor | None] = []
         self.num_nodes = 1
@@ -422,13 +425,32 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
+        trainer = self.lightning_module.trainer
+        checkpoint["cuboid"] = {
+            "layout": self.layout.sizes,
+            "world_size": self.world_size,
+            # batches of the current epoch already trained: resume skips them (mid-epoch resume)
+            "batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+        }
         assert self.model is not None
-        ckpt.save_sharded(path, self.model, self.optimizers, checkpoint)
+        ckpt.save_sharded(path, self.model, self.optimizers, checkpoint, self.checkpoint_storage_writer)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        return ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        meta = ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
+        return meta
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._resume_skip and trainer is not None and trainer.training:
+            skip = self._resume_skip
+            dataloader = ckpt.SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
+            self._resume_skip = 0
+            rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
+        return dataloader
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:

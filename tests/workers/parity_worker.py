@@ -100,31 +100,69 @@ def run_expecting_error(spec: dict, out_dir: Path) -> None:
     dist.barrier()
 
 
+def stalling_writer(victim: int, sentinel: str):
+    """A DCP writer whose rank ``victim`` stops for good after writing its first file (a crash mid-save)."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Stalling(FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            if dist.get_rank() == victim:
+                Path(sentinel).touch()
+                time.sleep(600)  # the test kills the job here
+            return future
+
+    return lambda path: Stalling(path)
+
+
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
     strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
     dp = world // (strategy.layout.tp * strategy.layout.pp)
+    if spec.get("stall_on_save"):
+        saves = {"n": 0}
+        writer = stalling_writer(1, spec["stall_on_save"])
+
+        def second_save_stalls(path):  # the first save completes, the second one stalls
+            saves["n"] += 1
+            return writer(path) if saves["n"] >= 2 else None
+
+        strategy.checkpoint_storage_writer = second_save_stalls
     module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
         meta_init=spec.get("meta_init", False)
     )
     facts = Facts()
+    callbacks: list[L.Callback] = [facts]
+    if spec.get("save_every"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=spec["save_dir"], filename="{step}", every_n_train_steps=spec["save_every"], save_top_k=-1
+            )
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        max_epochs=1,
+        max_epochs=spec.get("epochs", 1),
+        max_steps=spec.get("max_steps", -1),
         gradient_clip_val=CLIP[spec.get("accumulate", 1)],
         accumulate_grad_batches=spec.get("accumulate", 1),
-        enable_checkpointing=False,
+        enable_checkpointing=bool(spec.get("save_every")),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[facts],
+        callbacks=callbacks,
     )
     dataset = TokenDataset(n=spec.get("samples", 96))
-    loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp))
-    trainer.fit(module, loader)
+    # Lightning swaps in a DistributedSampler over the dp ranks, shuffled with the global seed per epoch.
+    loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp), shuffle=True)
+    trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
     placements = {
         n: (
             list(p.device_mesh.mesh_dim_names),
@@ -160,7 +198,7 @@ def run(spec: dict, out_dir: Path) -> None:
             "params": full,
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),
-            "grad_norm": float(trainer.precision_plugin.last_grad_norm),
+            "grad_norm": float(trainer.precision_plugin.last_grad_norm or float("nan")),
         }
         torch.save(result, out_dir / f"{spec['name']}.pt")
     dist.barrier()

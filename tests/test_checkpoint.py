@@ -1,0 +1,181 @@
+"""Sharded checkpoints: exact mid-epoch resume, resharding across layouts, atomic saves, bad input.
+
+A checkpoint is saved by ModelCheckpoint during training (step 6 of 12, or step 17 of 24: mid
+epoch 1, with shuffling) and resumed on another layout. Resumed losses must match the
+single-process reference with the parity bound (loss rel 1e-5, params abs 1e-5); resumed on the
+same layout, each step within relative 1e-6 of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORKERS, free_port, torchrun, worker_env
+from parity_lib import reference_run
+
+from cuboid.checkpoint import CheckpointError, check_loadable
+
+P3D = {"pipeline_parallel": 2, "tensor_parallel": 2}
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("ckpt")
+    save = {"max_steps": 7, "save_every": 6}
+    launches = [
+        (1, [{"name": "single-save", "strategy": {}, **save, "save_dir": str(out / "single")}]),
+        (
+            8,
+            [
+                {"name": "3d-save", "strategy": P3D, **save, "save_dir": str(out / "3d")},
+                {"name": "3d-from-single", "strategy": P3D, "resume_from": str(out / "single" / "step=6.ckpt")},
+            ],
+        ),
+        (
+            4,
+            [
+                {"name": "dp4-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")},
+                {
+                    "name": "tp2xdp2-from-3d",
+                    "strategy": {"tensor_parallel": 2},
+                    "resume_from": str(out / "3d" / "step=6.ckpt"),
+                },
+                {"name": "pp2xtp2-from-3d", "strategy": P3D, "resume_from": str(out / "3d" / "step=6.ckpt")},
+            ],
+        ),
+        (1, [{"name": "single-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")}]),
+        (
+            2,
+            [
+                {"name": "exact-uninterrupted", "strategy": {}, "epochs": 2},
+                {
+                    "name": "exact-first",
+                    "strategy": {},
+                    "epochs": 2,
+                    "max_steps": 18,
+                    "save_every": 17,
+                    "save_dir": str(out / "exact"),
+                },
+                {
+                    "name": "exact-resumed",
+                    "strategy": {},
+                    "epochs": 2,
+                    "resume_from": str(out / "exact" / "step=17.ckpt"),
+                },
+            ],
+        ),
+    ]
+    for world, specs in launches:
+        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
+    names = [s["name"] for _, specs in launches for s in specs]
+    return out, {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_with_shuffling_is_exact(runs) -> None:
+    _, got = runs
+    full, resumed = got["exact-uninterrupted"]["losses"], got["exact-resumed"]["losses"]
+    assert len(full) == 24 and len(resumed) == 7  # stopped at step 17 of 24: epoch 1, batch 5 of 12
+    for step, (a, b) in enumerate(zip(resumed, full[17:], strict=True), start=17):
+        assert abs(a - b) <= 1e-6 * abs(b), (step, a, b)
+    # and the resumed run saw exactly the samples the uninterrupted one saw in those steps
+    assert got["exact-resumed"]["ranks"][0]["seen"] == got["exact-uninterrupted"]["ranks"][0]["seen"][17:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["3d-from-single", "dp4-from-3d", "tp2xdp2-from-3d", "pp2xtp2-from-3d", "single-from-3d"]
+)
+def test_checkpoint_resumes_on_another_layout(name: str, runs) -> None:
+    _, got = runs
+    ref = reference_run(1)
+    losses = got[name]["losses"]
+    assert len(losses) == 6  # steps 6..11 of the 12-step epoch
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses[6:], strict=True))
+    assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
+    err = max((got[name]["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
+    assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_checkpoint_is_sharded_one_file_per_rank(runs) -> None:
+    out, _ = runs
+    ckpt = out / "3d" / "step=6.ckpt"
+    shards = sorted(ckpt.glob("*.distcp"))
+    assert [p.name for p in shards] == [f"__{r}_0.distcp" for r in range(8)]
+    sizes = [p.stat().st_size for p in shards]
+    assert max(sizes) < 0.25 * sum(sizes)  # nobody gathered the model: each rank wrote its own share
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == [f"rank{r}.pt" for r in range(8)]
+    assert not [p for p in (out / "3d").iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+@pytest.mark.slow
+def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    """Rank 1 stops for good after writing its first file of the second save; the job is killed."""
+    sentinel = tmp_path / "stalled"
+    spec = [
+        {
+            "name": "crash",
+            "strategy": {},
+            "max_steps": 12,
+            "save_every": 3,
+            "save_dir": str(tmp_path / "ck"),
+            "stall_on_save": str(sentinel),
+        }
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(WORKERS / "parity_worker.py"),
+        str(tmp_path),
+        json.dumps(spec),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while not sentinel.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert sentinel.exists(), "the second save never started"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.iterdir()) == [".step=6.ckpt.tmp", "step=3.ckpt"]
+    check_loadable(ck / "step=3.ckpt")
+    with pytest.raises(CheckpointError, match="temporary directory of a save that never finished"):
+        check_loadable(ck / ".step=6.ckpt.tmp")
+    # the surviving checkpoint resumes and continues like the uninterrupted run
+    torchrun(
+        2,
+        WORKERS / "parity_worker.py",
+        str(tmp_path),
+        json.dumps([{"name": "after-crash", "strategy": {}, "resume_from": str(ck / "step=3.ckpt")}]),
+    )
+    losses = torch.load(tmp_path / "after-crash.pt", weights_only=False)["losses"]
+    ref = reference_run(1)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses[3:], strict=True)) <= LOSS_RTOL
+
+
+def test_bad_checkpoints_are_refused_with_a_reason(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_loadable(tmp_path / "nope.ckpt")
+    (tmp_path / "file.ckpt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a file, not a Cuboid sharded checkpoint"):
+        check_loadable(tmp_path / "file.ckpt")
+    (tmp_path / "half.ckpt").mkdir()
+    (tmp_path / "half.ckpt" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"not a complete Cuboid checkpoint: \.metadata, meta\.pt missing"):
+        check_loadable(tmp_path / "half.ckpt")
