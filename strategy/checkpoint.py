@@ -10,6 +10,7 @@ real name.
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,16 @@ def save_sharded(
     optimizers: Sequence[Optimizer],
     lightning_state: dict[str, Any],
     storage_writer: Callable[[Path], Any] | None = None,
-) -> None:
-    """Write ``path`` atomically: into ``path.tmp-<name>``, then rename once all ranks are done."""
+    async_group: dist.ProcessGroup | None = None,
+) -> threading.Thread | None:
+    """Write ``path`` atomically: into ``.<name>.tmp``, renamed once every rank is done.
+
+    With ``async_group`` (a process group used only for checkpoints), the shards are copied to host
+    memory, written in the background, and the rename happens in a background thread after a
+    barrier on that group; the returned thread must be joined before the next save (training
+    collectives on the default group and checkpoint collectives never share a group: on gloo they
+    deadlocked when they did).
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     if _rank() == 0:
         if tmp.exists():
@@ -104,22 +113,42 @@ def save_sharded(
     state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    dcp.save(state, checkpoint_id=tmp, storage_writer=storage_writer(tmp) if storage_writer else None)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
     torch.save(_collect_rng_states(), tmp / RNG_DIR / f"rank{_rank()}.pt")
     if _rank() == 0:
         torch.save(lightning_state, tmp / META_FILE)
-    _barrier()
-    if _rank() == 0:
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            path.rename(old)
-        tmp.rename(path)
+    writer = storage_writer(tmp) if storage_writer else None
+    if async_group is None:
+        dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
+        _barrier()
+        _publish(tmp, path)
+        _barrier()
+        return None
+    future = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
+
+    def finish() -> None:
+        future.result()
+        dist.barrier(group=async_group)
+        _publish(tmp, path)
+        dist.barrier(group=async_group)
+
+    thread = threading.Thread(target=finish, name=f"cuboid-save-{path.name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rank 0 moves the finished temporary directory to its real name (replacing an older one)."""
+    if _rank() != 0:
+        return
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
         if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    _barrier()
+            shutil.rmtree(old)
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True) -> dict[str, Any]:
@@ -199,3 +228,50 @@ class SkipFirstBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full model weights of a sharded checkpoint, by original name, in one process.
+
+    Needs no process group and no knowledge of the training layout; reads the model entries only
+    (never the optimizer state).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    check_loadable(path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m cuboid.checkpoint export CKPT OUT.safetensors [--dtype bf16]``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cuboid.checkpoint", description="Cuboid checkpoint tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write a sharded checkpoint's model weights to one safetensors file")
+    export.add_argument("checkpoint")
+    export.add_argument("out")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: as stored")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
+    try:
+        weights = read_model_weights(args.checkpoint, dtype)
+    except CheckpointError as err:
+        raise SystemExit(f"cuboid.checkpoint: {err}") from None
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"wrote {len(weights)} tensors ({total / 2**20:.1f} MiB) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -86,6 +86,8 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
             pass needs the gathered parameters (with ``True`` the last stage's block gradients were lost).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
         compile: ``torch.compile`` each block.
+        async_checkpoint: Write checkpoints in the background: training continues once the shards
+            are copied to host memory; the next save, a checkpoint deletion and teardown wait for it.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
@@ -108,6 +110,7 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         reshard_after_forward: bool | int | None = None,
         cpu_offload: bool = False,
         compile: bool = False,
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -162,6 +165,9 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile
+        self.async_checkpoint = async_checkpoint
+        self._pending_save: Any = None
+        self._checkpoint_group: dist.ProcessGroup | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: DeviceMesh | None = None
@@ -400,6 +406,7 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def teardown(self) -> None:
+        self.wait_for_checkpoint()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -433,7 +440,23 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
             "batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
         }
         assert self.model is not None
-        ckpt.save_sharded(path, self.model, self.optimizers, checkpoint, self.checkpoint_storage_writer)
+        self.wait_for_checkpoint()
+        if self.async_checkpoint and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        self._pending_save = ckpt.save_sharded(
+            path,
+            self.model,
+            self.optimizers,
+            checkpoint,
+            self.checkpoint_storage_writer,
+            async_group=self._checkpoint_group if self.async_checkpoint else None,
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background (async) save has been written and renamed into place."""
+        if self._pending_save is not None:
+            self._pending_save.join()
+            self._pending_save = None
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -453,6 +476,8 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         return dataloader
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete.
+        self.wait_for_checkpoint()
         if self.is_global_zero:
             import shutil
 

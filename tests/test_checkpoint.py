@@ -21,7 +21,7 @@ import torch
 from conftest import WORKERS, free_port, torchrun, worker_env
 from parity_lib import reference_run
 
-from cuboid.checkpoint import CheckpointError, check_loadable
+from cuboid.checkpoint import CheckpointError, check_loadable, read_model_weights
 
 P3D = {"pipeline_parallel": 2, "tensor_parallel": 2}
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
@@ -70,6 +70,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                     "strategy": {},
                     "epochs": 2,
                     "resume_from": str(out / "exact" / "step=17.ckpt"),
+                },
+                {
+                    "name": "probe",
+                    "strategy": {"tensor_parallel": 2},
+                    "max_steps": 3,
+                    "async_probe": str(out / "probe"),
                 },
             ],
         ),
@@ -179,3 +185,51 @@ def test_bad_checkpoints_are_refused_with_a_reason(tmp_path: Path) -> None:
     (tmp_path / "half.ckpt" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"not a complete Cuboid checkpoint: \.metadata, meta\.pt missing"):
         check_loadable(tmp_path / "half.ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_keeps_the_weights_of_the_moment_it_was_called(mode: str, runs) -> None:
+    """The worker adds 1.0 to every weight right after save_checkpoint returns, then waits for the write."""
+    out, _ = runs
+    probe = torch.load(out / f"probe-{mode}-probe.pt", weights_only=False)
+    saved = read_model_weights(out / f"probe-{mode}")
+    for name, before in probe["before"].items():
+        assert torch.equal(saved[name], before), name
+
+
+@pytest.mark.slow
+def test_export_writes_one_safetensors_file_without_the_training_layout(runs, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out, got = runs
+    target = tmp_path / "model.safetensors"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuboid.checkpoint",
+            "export",
+            str(out / "3d" / "step=6.ckpt"),
+            str(target),
+            "--dtype",
+            "bf16",
+        ],
+        check=True,
+        capture_output=True,
+        env=worker_env(),
+        timeout=120,
+    )
+    exported = load_file(target)
+    full = read_model_weights(out / "3d" / "step=6.ckpt")
+    assert set(exported) == set(full) == set(got["single-from-3d"]["params"])
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    bad = subprocess.run(
+        [sys.executable, "-m", "cuboid.checkpoint", "export", str(tmp_path / "nope"), str(target)],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "does not exist" in bad.stderr

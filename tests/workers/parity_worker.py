@@ -188,6 +188,26 @@ def run(spec: dict, out_dir: Path) -> None:
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    if spec.get("async_probe"):
+        import time as _time
+
+        blocked = {}
+        for mode in ("sync", "async"):
+            strategy.async_checkpoint = mode == "async"
+            before = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters()
+            }
+            start = _time.perf_counter()
+            trainer.save_checkpoint(spec["async_probe"] + f"-{mode}")
+            blocked[mode] = _time.perf_counter() - start
+            with torch.no_grad():  # change the weights while the background write may still run
+                for p in module.parameters():
+                    (p.to_local() if isinstance(p, DTensor) else p).add_(1.0)
+            strategy.wait_for_checkpoint()
+            if dist.get_rank() == 0:
+                torch.save({"before": before, "blocked": blocked}, out_dir / f"{spec['name']}-{mode}-probe.pt")
+            dist.barrier()
     own = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, own)  # pipeline stages hold different parameters
