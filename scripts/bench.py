@@ -189,6 +189,26 @@ def worker(args: argparse.Namespace) -> None:
         print(f"tokens/s ratio cuboid / lightning: {summary['ratio_tokens_per_s']:.3f}   (JSON: {args.out})")
 
 
+def relaunch_under_torchrun(script: str, nprocs: int, argv: list[str]) -> None:
+    """Run ``script --worker ARGV`` on ``nprocs`` local processes (torchrun, a free loopback port); exit with its code."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nprocs}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        script,
+        "--worker",
+        *argv,
+    ]
+    sys.exit(subprocess.call(cmd, env=env))
+
+
 def main() -> None:
     if "--suite" in sys.argv:
         at = sys.argv.index("--suite")
@@ -221,22 +241,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={args.devices}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        __file__,
-        "--worker",
-        *sys.argv[1:],
-    ]
-    sys.exit(subprocess.call(cmd, env=env))
+    relaunch_under_torchrun(__file__, args.devices, sys.argv[1:])
 
 
 if __name__ == "__main__":

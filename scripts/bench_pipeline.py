@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import struct
-import subprocess
 import sys
 import time
 import zlib
@@ -201,22 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        __file__,
-        "--worker",
-        *(argv if argv is not None else sys.argv[1:]),
-    ]
-    sys.exit(subprocess.call(cmd, env=env))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench import relaunch_under_torchrun
+
+    relaunch_under_torchrun(__file__, 2, argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":
