@@ -15,7 +15,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from cuboid.layout import LayoutError
 
 _SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _MARKER = "CUBOID_LAUNCHED"  # "<pid of the launching process>|<hydra job output dir>"
@@ -140,3 +143,18 @@ def _argv_command() -> list[str]:
     if __main__.__spec__ is None:
         return [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
     return ["-m", __main__.__spec__.name, *sys.argv[1:]]
+
+
+def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
+    """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(env, SLURMEnvironment):
+        return
+    ntasks = int(os.environ.get("SLURM_NTASKS", num_nodes * devices))
+    if ntasks != num_nodes * devices:
+        raise LayoutError(
+            f"SLURM runs {ntasks} tasks (SLURM_NTASKS) but the Trainer expects num_nodes ({num_nodes}) x devices "
+            f"({devices}) = {num_nodes * devices}. Submit with --nodes={num_nodes} --ntasks-per-node={devices}, "
+            f"or set trainer.num_nodes / trainer.devices to match the allocation."
+        )

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -21,7 +20,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -31,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from cuboid import checkpoint as ckpt
 from cuboid import materialize, pipeline, plans
-from cuboid.launch import CuboidLauncher, destroy_process_group_at_exit, forget_previous_launch
+from cuboid.checkpoint_glue import CheckpointMixin
+from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import ACMode, parallelize
 from cuboid.pipeline_steps import PipelineStepsMixin
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
 _FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
 
 
-class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
+class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
     """Train one LightningModule on a pp x dp_replicate x dp_shard x tp cuboid of devices.
 
     FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard``
@@ -413,98 +412,10 @@ class CuboidStrategy(PipelineStepsMixin, ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the model is written shard by shard in save_checkpoint
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # written shard by shard in save_checkpoint
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        trainer = self.lightning_module.trainer
-        checkpoint["cuboid"] = {
-            "layout": self.layout.sizes,
-            "world_size": self.world_size,
-            # batches of the current epoch already trained: resume skips them (mid-epoch resume)
-            "batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
-        }
-        assert self.model is not None
-        self.wait_for_checkpoint()
-        if self.async_checkpoint and self._checkpoint_group is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        self._pending_save = ckpt.save_sharded(
-            path,
-            self.model,
-            self.optimizers,
-            checkpoint,
-            self.checkpoint_storage_writer,
-            async_group=self._checkpoint_group if self.async_checkpoint else None,
-        )
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until a background (async) save has been written and renamed into place."""
-        if self._pending_save is not None:
-            self._pending_save.join()
-            self._pending_save = None
-
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None and self.lightning_module is not None
-        meta = ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
-        self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
-        return meta
-
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._resume_skip and trainer is not None and trainer.training:
-            skip = self._resume_skip
-            dataloader = ckpt.SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
-            self._resume_skip = 0
-            rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
-        return dataloader
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete.
-        self.wait_for_checkpoint()
-        if self.is_global_zero:
-            import shutil
-
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
-        )
-
-
-def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
-    """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    if not isinstance(env, SLURMEnvironment):
-        return
-    import os
-
-    ntasks = int(os.environ.get("SLURM_NTASKS", num_nodes * devices))
-    if ntasks != num_nodes * devices:
-        raise LayoutError(
-            f"SLURM runs {ntasks} tasks (SLURM_NTASKS) but the Trainer expects num_nodes ({num_nodes}) x devices "
-            f"({devices}) = {num_nodes * devices}. Submit with --nodes={num_nodes} --ntasks-per-node={devices}, "
-            f"or set trainer.num_nodes / trainer.devices to match the allocation."
         )
 
 
