@@ -9,6 +9,7 @@ parameters + gradients + optimizer state against the ideal total / (dp_shard x t
     python scripts/bench.py --tp 2 --devices 4   # dp2 x tp2
     python scripts/bench.py --accelerator gpu --devices 8 --tp 2 --model 1b --seq 2048
     python scripts/bench.py --suite pipeline     # pipeline bubble per schedule (scripts/bench_pipeline.py)
+    python scripts/bench.py --suite checkpoint   # save/load MB/s, sync and async (scripts/bench_checkpoint.py)
 
 Lightning's strategy needs the model parallelized by hand in ``configure_model``; the bench
 does that the torchtitan way (same TP plan, ``fully_shard`` per block then the root).
@@ -213,14 +214,13 @@ def main() -> None:
     if "--suite" in sys.argv:
         at = sys.argv.index("--suite")
         suite, rest = sys.argv[at + 1], sys.argv[:at] + sys.argv[at + 2 :]
-        if suite == "pipeline":
+        if suite in ("pipeline", "checkpoint"):
             sys.path.insert(0, str(Path(__file__).parent))
-            from bench_pipeline import main as pipeline_main
-
-            pipeline_main(rest[1:])
+            module = __import__(f"bench_{suite}")
+            module.main(rest[1:])
             return
         if suite != "fsdp_tp":
-            sys.exit(f"bench: unknown --suite {suite!r}; choose fsdp_tp (default) or pipeline")
+            sys.exit(f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline or checkpoint")
         sys.argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
