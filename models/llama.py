@@ -222,3 +222,63 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+# Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside.
+_HF_BLOCK_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_HF_OTHER_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _rope_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Reorder q/k projection rows from interleaved rotary pairs (ours) to rotate-half (Hugging Face)."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Our Llama's weights (names relative to the model) as a Hugging Face ``LlamaForCausalLM``
+    state dict, plus the matching ``config.json`` contents."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name in _HF_OTHER_NAMES:
+            out[_HF_OTHER_NAMES[name]] = tensor
+            continue
+        _, index, suffix = name.split(".", 2)  # layers.<i>.<suffix>
+        if suffix == "attention.wq.weight":
+            tensor = _rope_halves(tensor, cfg.n_heads)
+        elif suffix == "attention.wk.weight":
+            tensor = _rope_halves(tensor, cfg.n_kv_heads)
+        out[f"model.layers.{index}.{_HF_BLOCK_NAMES[suffix]}"] = tensor
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    return out, config

@@ -233,3 +233,44 @@ def test_export_writes_one_safetensors_file_without_the_training_layout(runs, tm
         timeout=120,
     )
     assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_export_to_hugging_face_llama_gives_the_same_logits(tmp_path: Path) -> None:
+    """A checkpoint of the reference Llama, exported with --hf, loads in transformers' LlamaForCausalLM
+    and predicts what our model predicts (rotary q/k rows reordered from interleaved to rotate-half)."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from cuboid.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+    torch.manual_seed(0)
+    ours = Llama(cfg).eval()
+    ckpt = tmp_path / "step=1.ckpt"
+    dcp.save({"model": {f"model.{k}": v for k, v in ours.state_dict().items()}}, checkpoint_id=ckpt, no_dist=True)
+    torch.save({}, ckpt / "meta.pt")
+    (tmp_path / "cfg.yaml").write_text(
+        "\n".join(f"{f.name}: {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cuboid.checkpoint",
+            "export",
+            str(ckpt),
+            str(tmp_path / "hf"),
+            "--hf",
+            str(tmp_path / "cfg.yaml"),
+        ],
+        check=True,
+        capture_output=True,
+        env=worker_env(),
+        timeout=120,
+    )
+    theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
