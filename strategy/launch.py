@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from cuboid.layout import LayoutError
@@ -127,22 +128,12 @@ class CuboidLauncher(_SubprocessScriptLauncher):
             env = os.environ.copy()
             env["LOCAL_RANK"] = str(local_rank)
             env.pop(_MARKER, None)
-            if os.environ.get("PL_GLOBAL_SEED") is None:
-                env.pop("PL_GLOBAL_SEED", None)
             hydra_job = _hydra_job_command(local_rank)
             if hydra_job is not None:
                 command, cwd = hydra_job
             else:
-                command, cwd = [sys.executable, *_argv_command()], None
+                command, cwd = _basic_subprocess_cmd(), None
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
-
-
-def _argv_command() -> list[str]:
-    import __main__
-
-    if __main__.__spec__ is None:
-        return [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
-    return ["-m", __main__.__spec__.name, *sys.argv[1:]]
 
 
 def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:

@@ -49,6 +49,7 @@ class CuboidMonitor(L.Callback):
         self._t_last: float | None = None
         self._tokens = 0
         self._seq_len = 0
+        self._pending_norm: torch.Tensor | None = None  # measured before the step when not clipping
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -104,7 +105,7 @@ class CuboidMonitor(L.Callback):
                 if peak is not None:
                     metrics["perf/mfu"] = flops_per_s / (peak * trainer.world_size)
         self._tokens = 0
-        norm = getattr(self, "_pending_norm", None)
+        norm = self._pending_norm
         if trainer.gradient_clip_val:  # clipping measured it, after on_before_optimizer_step
             norm = getattr(trainer.precision_plugin, "last_grad_norm", None)
         if norm is not None:

@@ -37,6 +37,11 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def sweep_jobs(sweep: Path) -> list[Path]:
+    """The job directories of a Hydra sweep (0, 1, ...)."""
+    return sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def debug_task(tmp: Path) -> tuple[CausalLM, TokenDataModule]:
     """The debug model and data exactly as the job builds them (same seed, same token file)."""
     from omegaconf import OmegaConf
@@ -103,7 +108,7 @@ def test_sweep_over_world_size_gives_each_job_its_own_processes(tmp_path: Path) 
         "trainer.limit_val_batches=1.0",
         f"hydra.sweep.dir={sweep}",
     )
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    jobs = sweep_jobs(sweep)
     assert [p.name for p in jobs] == ["0", "1"]
     s0, s1 = summary(jobs[0]), summary(jobs[1])
     assert (s0["world_size"], s1["world_size"]) == (1, 2)
@@ -125,7 +130,7 @@ def test_sweep_over_tensor_parallel_runs_each_job_once_with_its_own_wandb_run(tm
         "trainer.log_every_n_steps=2",
         f"hydra.sweep.dir={sweep}",
     )
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    jobs = sweep_jobs(sweep)
     assert [p.name for p in jobs] == ["0", "1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "sweep"]  # one sweep directory, nothing else
     for job, tp in zip(jobs, (1, 2), strict=True):
