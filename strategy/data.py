@@ -9,6 +9,7 @@ into a token file; ``TokenDataModule(path=...)`` trains on it.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -53,13 +54,15 @@ def prepare_tokens(
     """Concatenate the UTF-8 bytes of text files into ``out`` (one uint8 token per byte).
 
     Files are read in sorted order and separated by a blank line, so the same sources always give
-    the same file. Writes to ``out.tmp`` and renames when complete. Returns (path, tokens).
+    the same file. Writes to a temporary file of this process and renames it when complete, so
+    processes preparing the same file at once (one per node on a shared filesystem) each replace it
+    whole with the same bytes. Returns (path, tokens).
     """
     out = Path(out)
     files = _text_files([Path(s) for s in sources], patterns)
     if not files:
         raise DataError(f"no text files matching {list(patterns)} under {[str(s) for s in sources]}.")
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(tmp, "wb") as fh:

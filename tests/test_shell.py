@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from conftest import ROOT, free_port, run_checked, worker_env
 from wandb_records import config, history, read_records
 
-from cuboid.data import TokenDataModule
+from cuboid.data import TokenDataModule, prepare_tokens
 from cuboid.models import CausalLM, LlamaConfig
 
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -196,8 +197,8 @@ def test_slurm_environment_two_nodes_by_two_tasks(tmp_path: Path) -> None:
         for r in range(4)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
+    failed = [f"rank {r}:\n{out[-3000:]}" for r, (p, out) in enumerate(zip(procs, outs, strict=True)) if p.returncode]
+    assert not failed, "\n".join(failed)
     s = summary(tmp_path / "run")
     assert s["cluster_environment"] == "SLURMEnvironment"
     assert s["world_size"] == 4 and s["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
@@ -283,3 +284,35 @@ def test_3d_preset_validates_like_one_process_and_trains(tmp_path: Path) -> None
     s = summary(tmp_path / "run3d")
     assert s["steps"] == 6 and len(s["losses"]) == 6 and s["losses"][-1] < s["losses"][0]
     assert math.isfinite(s["val_ppl"])
+
+
+def test_processes_preparing_the_same_token_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """One process per node prepares the data (Lightning's prepare_data_per_node) on a shared filesystem:
+    with four at once, each must finish and the file must be whole (each writes its own temporary)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"f{i}.txt").write_text(f"file {i} " * 5000)
+    out, go = tmp_path / "tokens.bin", tmp_path / "go"
+    code = (
+        "import sys, time, pathlib; from cuboid.data import prepare_tokens\n"
+        "pathlib.Path(sys.argv[1]).touch()\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
+        f"prepare_tokens([{str(src)!r}], {str(out)!r})"
+    )
+    ready = [tmp_path / f"ready{i}" for i in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r)], env=worker_env(), stderr=subprocess.PIPE, text=True)
+        for r in ready
+    ]
+    deadline = time.time() + 120
+    while not all(r.exists() for r in ready) and time.time() < deadline:
+        time.sleep(0.01)
+    go.touch()  # all four start writing within milliseconds of each other
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    for path in [*ready, go]:
+        path.unlink()
+    assert all(p.returncode == 0 for p in procs), errors
+    _, n = prepare_tokens([src], tmp_path / "alone.bin")
+    assert out.read_bytes() == (tmp_path / "alone.bin").read_bytes() and n == out.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone.bin", "src", "tokens.bin"]  # no temporaries left
