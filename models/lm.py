@@ -54,9 +54,10 @@ class CausalLM(L.LightningModule):
         else:
             cfg = LlamaConfig(**dict(model))
         self.cfg = cfg
+        betas = tuple(float(b) for b in betas)  # plain floats: a Hydra ListConfig would need unsafe unpickling
         self.save_hyperparameters(ignore=["model"])
         self.meta_init = meta_init
-        self.opt = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
+        self.opt = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
         self.warmup_steps, self.max_steps, self.init_seed = warmup_steps, max_steps, init_seed
         self.model: Llama | None = None
         self.val_loss = MeanMetric()

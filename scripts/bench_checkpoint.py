@@ -5,7 +5,8 @@
 After one training step (so AdamW state exists), each rank times: a sync save, an async save
 (time the training loop is blocked, and time until the write is complete), a load into the same
 layout, and ``torch.save``/``torch.load`` of its own local shards (parameters + optimizer state)
-to one file: the plain-PyTorch floor for writing the same bytes. MB/s are per rank.
+to one file: the plain-PyTorch floor for writing the same bytes. MB/s are per rank, except for
+``checkpoint_format="full"`` (gathered to rank 0, one file): there MB/s is of the whole file.
 """
 
 from __future__ import annotations
@@ -90,17 +91,31 @@ def worker(args: argparse.Namespace) -> None:
     )
     result["async_blocked_s"] = blocked["t"]
     result["load_s"] = timed(lambda: strategy.load_checkpoint(root / "sync.ckpt"))
+    strategy.async_checkpoint, strategy.checkpoint_format = False, "full"
+    result["full_save_s"] = timed(lambda: trainer.save_checkpoint(root / "full.ckpt"))
+    result["full_load_s"] = timed(lambda: strategy.load_checkpoint(root / "full.ckpt"))
     mine = root / f"torch-rank{dist.get_rank()}.pt"
     result["torch_save_s"] = timed(lambda: torch.save(local, mine))
     result["torch_load_s"] = timed(lambda: torch.load(mine, weights_only=True))
     if dist.get_rank() == 0:
-        rate = {k.replace("_s", "_mb_per_s"): mb / v for k, v in result.items() if k.endswith("_s")}
+        total = {k: mb * world if k.startswith("full") else mb for k in result}
+        rate = {k.replace("_s", "_mb_per_s"): total[k] / v for k, v in result.items() if k.endswith("_s")}
         print(
             f"\ncheckpoint throughput, {args.model} Llama, dp{world}, {mb:.0f} MB per rank (params + AdamW), CPU disk"
         )
-        print(f"{'operation':22s} {'seconds':>9s} {'MB/s/rank':>10s}")
-        for key in ("sync_save_s", "async_blocked_s", "async_total_s", "load_s", "torch_save_s", "torch_load_s"):
-            print(f"{key[:-2]:22s} {result[key]:9.2f} {mb / result[key]:10.0f}")
+        print(f"{'operation':22s} {'seconds':>9s} {'MB/s':>10s}")
+        keys = (
+            "sync_save",
+            "async_blocked",
+            "async_total",
+            "load",
+            "torch_save",
+            "torch_load",
+            "full_save",
+            "full_load",
+        )
+        for key in keys:
+            print(f"{key:22s} {result[key + '_s']:9.2f} {rate[key + '_mb_per_s']:10.0f}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": vars(args), "seconds": result, "mb_per_s": rate}, indent=1))
         print(f"JSON: {args.out}")

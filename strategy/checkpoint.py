@@ -9,6 +9,7 @@ real name.
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -41,15 +42,20 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
 
 
-def check_loadable(path: Path) -> None:
-    """Refuse, with a clear message, anything that is not a complete Cuboid checkpoint."""
+def check_loadable(path: Path, allow_file: bool = False) -> None:
+    """Refuse, with a clear message, anything that is not a complete Cuboid checkpoint.
+
+    ``allow_file``: a file passes (a ``checkpoint_format="full"`` checkpoint, checked when read).
+    """
     if path.name.startswith(".") and ".tmp" in path.name:
         raise CheckpointError(
-            f"{path} is the temporary directory of a save that never finished; load the previous complete "
-            f"checkpoint instead (its directory has no leading dot)."
+            f"{path} is the temporary copy of a save that never finished; load the previous complete "
+            f"checkpoint instead (its name has no leading dot)."
         )
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist.")
+    if path.is_file() and allow_file:
+        return
     if path.is_file():
         raise CheckpointError(
             f"{path} is a file, not a Cuboid sharded checkpoint (a directory written by CuboidStrategy with "
@@ -63,8 +69,8 @@ def check_loadable(path: Path) -> None:
         )
 
 
-def _check_keys(path: Path, expected: dict[str, Any]) -> None:
-    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+def _check_keys(path: Path, stored: set[str], expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model entries (``model.<fqn>``) are not this model's parameters."""
     wanted = {f"model.{k}" for k in expected}
     if dist.is_initialized():  # pipeline stages each hold part of the model: compare the union
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -138,30 +144,43 @@ def save_sharded(
 
 
 def _publish(tmp: Path, path: Path) -> None:
-    """Rank 0 moves the finished temporary directory to its real name (replacing an older one)."""
+    """Rank 0 moves the finished temporary directory (or file) to its real name, replacing an older one."""
     if _rank() != 0:
         return
     old = path.with_name(f".{path.name}.old")
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
+    if path.exists() or path.is_symlink():
+        _remove(old)
         path.rename(old)
     tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _remove(old)
 
 
-def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True) -> dict[str, Any]:
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory, file or link (a link only, never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def load_sharded(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
     """Load model (and optimizer) shards into the current layout; return Lightning's state.
 
     DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
     from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
-    when the world size is the same as at save time.
+    when the world size is the same as at save time. ``weights_only`` is Lightning's and torch's
+    flag for the pickled Lightning state in ``meta.pt``: ``None`` means ``True``.
     """
     check_loadable(path)
     state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
     if strict:
-        _check_keys(path, state["model"])
+        _check_keys(path, set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata), state["model"])
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
     try:
@@ -171,25 +190,55 @@ def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for idx, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
-    # meta.pt holds Lightning's loop/callback state written by this library (pickled: load trusted checkpoints).
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta = load_pickled(path / META_FILE, weights_only)
     rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
-    saved_world = meta.get("cuboid", {}).get("world_size")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if rng_file.is_file() and saved_world == world:
-        _set_rng_states(torch.load(rng_file, map_location="cpu", weights_only=False))
+    if rng_file.is_file() and _same_world(meta):
+        _set_rng_states(torch.load(rng_file, map_location="cpu", weights_only=True))
     return meta
 
 
+def load_pickled(path: Path, weights_only: bool | None, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load`` of Lightning's state (loops, callbacks, hyper-parameters), ``weights_only`` by default.
+
+    Lightning's state is pickled: only objects torch deems safe load unless ``weights_only=False``
+    is passed (as ``trainer.fit(..., weights_only=False)``), which can run code from the file.
+    """
+    safe = True if weights_only is None else weights_only
+    try:
+        return torch.load(path, map_location="cpu", weights_only=safe, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if not safe:
+            raise CheckpointError(f"could not unpickle {path} (corrupted?): {err}") from err
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        raise CheckpointError(
+            f"{path} holds pickled objects that a weights-only load refuses ({', '.join(unsafe[:4]) or 'see torch'}), "
+            "e.g. in the LightningModule's hyper-parameters. If the checkpoint comes from a place you trust, load it "
+            "with trainer.fit(..., weights_only=False) (trainer.validate/test/predict take it too)."
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+
+
+def _same_world(meta: dict[str, Any]) -> bool:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return meta.get("cuboid", {}).get("world_size") == world
+
+
 def _collect_rng_states() -> dict[str, Any]:
+    """This rank's RNG states (torch, CUDA, numpy, random) as tensors and plain values (weights-only loadable)."""
     from lightning.fabric.utilities.seed import _collect_rng_states as collect
 
-    return collect(include_cuda=torch.cuda.is_available())
+    states = collect(include_cuda=torch.cuda.is_available())
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
     from lightning.fabric.utilities.seed import _set_rng_states as restore
 
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    states["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)
     restore(states)
 
 
@@ -231,7 +280,7 @@ class SkipFirstBatches:
 
 
 def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The full model weights of a sharded checkpoint, by original name, in one process.
+    """The full model weights of a checkpoint (sharded or full), by original name, in one process.
 
     Needs no process group and no knowledge of the training layout; reads the model entries only
     (never the optimizer state).
@@ -239,7 +288,12 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
-    check_loadable(path)
+    check_loadable(path, allow_file=True)
+    if path.is_file():  # checkpoint_format="full": memory-mapped, so only the weights' pages are read
+        weights = load_pickled(path, weights_only=None, mmap=True).get("state_dict")
+        if weights is None:
+            raise CheckpointError(f"{path} is a file without a 'state_dict': not a Cuboid or Lightning checkpoint.")
+        return {key: (t.to(dtype) if dtype else t) for key, t in weights.items()}
     metadata = dcp.FileSystemReader(path).read_metadata()
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -1,12 +1,18 @@
 """The Lightning side of checkpoints: CuboidStrategy's save/load/remove hooks and mid-epoch resume.
 
-Mixed into :class:`~cuboid.CuboidStrategy`; the on-disk format and its checks live in
-:mod:`cuboid.checkpoint`. Lightning's own model/optimizer state-dict hooks are no-ops here because
-the shards are written and read by DCP directly.
+Mixed into :class:`~cuboid.CuboidStrategy`; the on-disk formats and their checks live in
+:mod:`cuboid.checkpoint` (sharded) and :mod:`cuboid.checkpoint_full` (one file). Lightning's own
+model/optimizer state-dict hooks are no-ops here because the state is written and read directly.
+
+``ModelCheckpoint(save_last="link")`` replaces ``last`` by delete-then-symlink, and deletes the old
+top-k checkpoint right after issuing a save; Cuboid makes both safe: deletions wait for the pending
+save, ``last`` is re-pointed atomically (a new link renamed over the old) only once its target is
+complete, and a checkpoint that a ``last`` link still points to is deleted only after the link moved.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,13 +22,18 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid import checkpoint as ckpt
+from cuboid import checkpoint_full
+
+CHECKPOINT_FORMATS = ("sharded", "full")
 
 
 class CheckpointMixin:
     """Sharded (DCP) checkpoints, atomic and optionally asynchronous, reloadable on any layout."""
 
     async_checkpoint: bool
+    checkpoint_format: str
     checkpoint_storage_writer: Any
+    _deferred_removals: list[Path]
     _pending_save: Any
     _checkpoint_group: dist.ProcessGroup | None
     _resume_skip: int
@@ -54,8 +65,20 @@ class CheckpointMixin:
         }
         assert self.model is not None
         self.wait_for_checkpoint()
-        if self.async_checkpoint and self._checkpoint_group is None:
+        full = self.checkpoint_format == "full"
+        if self._checkpoint_group is None and (self.async_checkpoint or (full and dist.get_backend() != "gloo")):
             self._checkpoint_group = dist.new_group(backend="gloo")
+        if full:
+            self._pending_save = checkpoint_full.save_full(
+                path,
+                self.model,
+                self.optimizers,
+                checkpoint,
+                self.device_mesh,
+                self._checkpoint_group,
+                background=self.async_checkpoint,
+            )
+            return
         self._pending_save = ckpt.save_sharded(
             path,
             self.model,
@@ -74,7 +97,10 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        meta = ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        ckpt.check_loadable(path, allow_file=True)
+        load = checkpoint_full.load_full if path.is_file() else ckpt.load_sharded
+        strict = self.lightning_module.strict_loading
+        meta = load(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
         return meta
 
@@ -89,10 +115,50 @@ class CheckpointMixin:
         return dataloader
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete.
+        # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
+        # and never while a `last` link still points to it (it is deleted once the link has moved).
         self.wait_for_checkpoint()
         if self.is_global_zero:
-            import shutil
-
             path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            if not path.is_symlink() and _linked_from(path):
+                self._deferred_removals.append(path)
+            else:
+                ckpt._remove(path)
+
+    def guard_checkpoint_callbacks(self, callbacks: list[Any]) -> None:
+        """Route ``ModelCheckpoint(save_last="link")``'s link update through :meth:`link_checkpoint`."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        for callback in callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
+                if not callable(getattr(type(callback), "_link_checkpoint", None)):
+                    raise RuntimeError(
+                        "This Lightning version's ModelCheckpoint has no _link_checkpoint; Cuboid cannot make "
+                        "save_last='link' safe. Use save_last=True (an atomic copy) instead."
+                    )
+                callback._link_checkpoint = self.link_checkpoint  # type: ignore[method-assign]
+
+    def link_checkpoint(self, trainer: Any, filepath: _PATH, linkpath: _PATH) -> None:
+        """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
+        self.wait_for_checkpoint()
+        target, link = Path(filepath), Path(linkpath)
+        if self.is_global_zero and target.absolute() != link.absolute():
+            fresh = link.with_name(f".{link.name}.link")
+            ckpt._remove(fresh)
+            fresh.symlink_to(os.path.relpath(target, link.parent))
+            if link.is_symlink() or not link.exists():
+                os.replace(fresh, link)  # atomic: readers see the old link or the new one
+            else:
+                ckpt._publish(fresh, link)  # a real checkpoint stood there: moved aside, then removed
+            for path in [p for p in self._deferred_removals if not _linked_from(p)]:
+                self._deferred_removals.remove(path)
+                ckpt._remove(path)
+        self.barrier()
+
+
+def _linked_from(path: Path) -> bool:
+    """True when a symlink beside ``path`` points to it (a ``last`` link of ModelCheckpoint)."""
+    if not path.exists() or not path.parent.is_dir():
+        return False
+    target = path.resolve()
+    return any(p.is_symlink() and p.resolve() == target for p in path.parent.iterdir() if p != path)

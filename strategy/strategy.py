@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from cuboid import materialize, pipeline, plans
-from cuboid.checkpoint_glue import CheckpointMixin
+from cuboid.checkpoint_glue import CHECKPOINT_FORMATS, CheckpointMixin
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import ACMode, parallelize
@@ -87,6 +88,11 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         compile: ``torch.compile`` each block.
         async_checkpoint: Write checkpoints in the background: training continues once the shards
             are copied to host memory; the next save, a checkpoint deletion and teardown wait for it.
+        checkpoint_format: ``"sharded"`` (default): a directory, every rank writing its own shards
+            with ``torch.distributed.checkpoint``; scales to any model. ``"full"``: one file, gathered
+            parameter by parameter into rank 0's host memory (models whose weights and optimizer
+            state fit there); also a plain Lightning checkpoint (``load_from_checkpoint`` reads it).
+            Both resume on any layout, and either loads whatever ``checkpoint_format`` is set.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
@@ -110,6 +116,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         cpu_offload: bool = False,
         compile: bool = False,
         async_checkpoint: bool = False,
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -164,7 +171,11 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}; choose 'sharded' (default) or 'full'.")
         self.async_checkpoint = async_checkpoint
+        self.checkpoint_format = checkpoint_format
+        self._deferred_removals: list[Path] = []
         self._pending_save: Any = None
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._process_group_backend = process_group_backend
@@ -289,6 +300,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         check_no_fsdp1(lm)
+        self.guard_checkpoint_callbacks(trainer.callbacks)
         if _is_parallelized_by_user(lm):
             _materialize_distributed_module(lm, self.root_device)
         else:

@@ -24,6 +24,7 @@ from parity_lib import reference_run
 from cuboid.checkpoint import CheckpointError, check_loadable, read_model_weights
 
 P3D = {"pipeline_parallel": 2, "tensor_parallel": 2}
+FULL = {"checkpoint_format": "full"}
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
 
@@ -38,6 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
             [
                 {"name": "3d-save", "strategy": P3D, **save, "save_dir": str(out / "3d")},
                 {"name": "3d-from-single", "strategy": P3D, "resume_from": str(out / "single" / "step=6.ckpt")},
+                {"name": "3d-full-save", "strategy": {**P3D, **FULL}, **save, "save_dir": str(out / "3d-full")},
             ],
         ),
         (
@@ -50,9 +52,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                     "resume_from": str(out / "3d" / "step=6.ckpt"),
                 },
                 {"name": "pp2xtp2-from-3d", "strategy": P3D, "resume_from": str(out / "3d" / "step=6.ckpt")},
+                {
+                    "name": "tp2xdp2-from-3d-full",
+                    "strategy": {"tensor_parallel": 2},
+                    "resume_from": str(out / "3d-full" / "step=6.ckpt"),
+                },
             ],
         ),
-        (1, [{"name": "single-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")}]),
+        (
+            1,
+            [
+                {"name": "single-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")},
+                {"name": "single-from-3d-full", "strategy": {}, "resume_from": str(out / "3d-full" / "step=6.ckpt")},
+            ],
+        ),
         (
             2,
             [
@@ -71,6 +84,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                     "epochs": 2,
                     "resume_from": str(out / "exact" / "step=17.ckpt"),
                 },
+                {
+                    "name": "link",
+                    "strategy": {"async_checkpoint": True},
+                    "max_steps": 9,
+                    "save_every": 2,
+                    "save_dir": str(out / "link"),
+                    "save_last": "link",
+                    "top_k": 2,
+                    "monitor": "train_loss",
+                },
+                {"name": "link-resumed", "strategy": {}, "resume_from": str(out / "link" / "last.ckpt")},
                 {
                     "name": "probe",
                     "strategy": {"tensor_parallel": 2},
@@ -99,7 +123,16 @@ def test_mid_epoch_resume_with_shuffling_is_exact(runs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["3d-from-single", "dp4-from-3d", "tp2xdp2-from-3d", "pp2xtp2-from-3d", "single-from-3d"]
+    "name",
+    [
+        "3d-from-single",
+        "dp4-from-3d",
+        "tp2xdp2-from-3d",
+        "pp2xtp2-from-3d",
+        "single-from-3d",
+        "tp2xdp2-from-3d-full",
+        "single-from-3d-full",
+    ],
 )
 def test_checkpoint_resumes_on_another_layout(name: str, runs) -> None:
     _, got = runs
@@ -161,7 +194,7 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Pa
     ck = tmp_path / "ck"
     assert sorted(p.name for p in ck.iterdir()) == [".step=6.ckpt.tmp", "step=3.ckpt"]
     check_loadable(ck / "step=3.ckpt")
-    with pytest.raises(CheckpointError, match="temporary directory of a save that never finished"):
+    with pytest.raises(CheckpointError, match="temporary copy of a save that never finished"):
         check_loadable(ck / ".step=6.ckpt.tmp")
     # the surviving checkpoint resumes and continues like the uninterrupted run
     torchrun(
@@ -185,10 +218,23 @@ def test_bad_checkpoints_are_refused_with_a_reason(tmp_path: Path) -> None:
     (tmp_path / "half.ckpt" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"not a complete Cuboid checkpoint: \.metadata, meta\.pt missing"):
         check_loadable(tmp_path / "half.ckpt")
+    # files are checkpoint_format="full" candidates: read, then refused with a reason
+    from cuboid.checkpoint_full import load_full
+
+    with pytest.raises(CheckpointError, match="corrupted or incomplete"):
+        load_full(tmp_path / "file.ckpt", torch.nn.Linear(2, 2), [])
+    torch.save({"state_dict": {}, "epoch": 0}, tmp_path / "plain.ckpt")
+    with pytest.raises(CheckpointError, match="not a Cuboid full checkpoint"):
+        load_full(tmp_path / "plain.ckpt", torch.nn.Linear(2, 2), [])
+    torch.save(
+        {"state_dict": {}, "hyper_parameters": {"when": __import__("datetime").date(2026, 1, 1)}}, tmp_path / "p.ckpt"
+    )
+    with pytest.raises(CheckpointError, match=r"weights-only load refuses \(datetime.date\).*weights_only=False"):
+        load_full(tmp_path / "p.ckpt", torch.nn.Linear(2, 2), [])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "full", "full-async"])
 def test_a_save_keeps_the_weights_of_the_moment_it_was_called(mode: str, runs) -> None:
     """The worker adds 1.0 to every weight right after save_checkpoint returns, then waits for the write."""
     out, _ = runs
@@ -274,3 +320,81 @@ def test_export_to_hugging_face_llama_gives_the_same_logits(tmp_path: Path) -> N
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_checkpoint_is_one_file_equal_to_the_sharded_one(runs) -> None:
+    """The same 3D run saved both ways: one file on rank 0, holding exactly the sharded checkpoint's
+    weights and optimizer state, readable by plain torch (weights-only) and Lightning."""
+    import torch.distributed.checkpoint as dcp
+    from parity_lib import LlamaModule
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out, _ = runs
+    assert sorted(p.name for p in (out / "3d-full").iterdir()) == ["step=6.ckpt"]  # no temporaries, one file
+    full_path, sharded_path = out / "3d-full" / "step=6.ckpt", out / "3d" / "step=6.ckpt"
+    full = torch.load(full_path, map_location="cpu", weights_only=True)
+    sharded = read_model_weights(sharded_path)
+    assert set(full["state_dict"]) == set(sharded)
+    for name, tensor in sharded.items():
+        assert torch.equal(full["state_dict"][name], tensor), name
+    # the optimizer state (flattened, by parameter name) equals the sharded checkpoint's, entry by entry
+    meta = dcp.FileSystemReader(sharded_path).read_metadata().state_dict_metadata
+    stored = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith("optimizer_0") and isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(stored, checkpoint_id=sharded_path, no_dist=True)
+    optimizer = full["cuboid"]["optimizer_states"][0]
+    assert {f"optimizer_0.{k}" for k, v in optimizer.items() if torch.is_tensor(v)} == set(stored)
+    for key, value in stored.items():
+        assert torch.equal(optimizer[key[len("optimizer_0.") :]], value), key
+    assert len(full["cuboid"]["rng"]) == 8 and full["global_step"] == 6
+    module = LlamaModule.load_from_checkpoint(full_path, map_location="cpu")
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor, sharded[name]), name
+
+
+@pytest.mark.slow
+def test_save_last_link_points_at_the_newest_complete_checkpoint(runs) -> None:
+    """ModelCheckpoint(save_last="link", save_top_k=2) with async saves: `last` is a link to a complete
+    checkpoint kept by top-k, no temporaries or dangling links are left, and resuming from it continues."""
+    out, got = runs
+    # whenever a step started, `last` pointed at a complete checkpoint (Lightning alone links before an async
+    # save has finished, and deletes `last` before it links)
+    assert got["link"]["link_targets_complete"] and all(got["link"]["link_targets_complete"])
+    link_dir = out / "link"
+    last = link_dir / "last.ckpt"
+    assert last.is_symlink() and last.exists()
+    kept = sorted(p.name for p in link_dir.iterdir() if not p.is_symlink())
+    assert len(kept) == 2 and not [p for p in kept if p.startswith(".")], kept
+    assert os.readlink(last) in kept
+    check_loadable(last)
+    step = int(os.readlink(last).split("=")[1].split(".")[0])
+    assert step == max(int(k.split("=")[1].split(".")[0]) for k in kept)
+    ref = reference_run(1)
+    losses = got["link-resumed"]["losses"]
+    assert len(losses) == 12 - step
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses[step:], strict=True)) <= LOSS_RTOL
+
+
+def test_link_replaces_last_atomically_and_defers_deleting_its_target(tmp_path: Path) -> None:
+    """The link update itself: a real `last` directory (from save_last=True) is replaced by the link, and a
+    top-k deletion of the checkpoint `last` still points to waits until the link has moved."""
+    from cuboid import CuboidStrategy
+
+    strategy = CuboidStrategy()
+    for name in ("step=2.ckpt", "step=4.ckpt", "last.ckpt"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.pt").write_bytes(b"x")
+    last = tmp_path / "last.ckpt"
+    strategy.link_checkpoint(None, tmp_path / "step=2.ckpt", last)
+    assert last.is_symlink() and os.readlink(last) == "step=2.ckpt"
+    strategy.remove_checkpoint(tmp_path / "step=2.ckpt")  # top-k drops it while `last` still points there
+    assert (tmp_path / "step=2.ckpt").is_dir()
+    strategy.link_checkpoint(None, tmp_path / "step=4.ckpt", last)
+    assert os.readlink(last) == "step=4.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=4.ckpt"]
+    strategy.remove_checkpoint(last)  # removing a link never touches its target
+    assert (tmp_path / "step=4.ckpt").is_dir() and not last.exists()

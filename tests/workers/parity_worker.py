@@ -40,7 +40,9 @@ def local_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 class Facts(L.Callback):
     """What each rank saw: samples per step, the dp-mean loss per step, persistent bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch_link: Path | None = None) -> None:
+        self.watch_link = watch_link
+        self.link_targets_complete: list[bool] = []  # at each step start: is `last`'s target a whole checkpoint?
         self.bytes: dict[str, int] = {}
         self.losses: list[float] = []
         self.logged: list[float] = []
@@ -48,6 +50,10 @@ class Facts(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.seen.append(batch["idx"].tolist())
+        if self.watch_link is not None and self.watch_link.is_symlink():
+            from cuboid.checkpoint import is_sharded_checkpoint
+
+            self.link_targets_complete.append(is_sharded_checkpoint(self.watch_link))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # outputs["loss"] is what Lightning backpropagates: the step's loss / accumulate_grad_batches.
@@ -135,14 +141,19 @@ def run(spec: dict, out_dir: Path) -> None:
     module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
         meta_init=spec.get("meta_init", False)
     )
-    facts = Facts()
+    facts = Facts(Path(spec["save_dir"]) / "last.ckpt" if spec.get("save_last") == "link" else None)
     callbacks: list[L.Callback] = [facts]
     if spec.get("save_every"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(
             ModelCheckpoint(
-                dirpath=spec["save_dir"], filename="{step}", every_n_train_steps=spec["save_every"], save_top_k=-1
+                dirpath=spec["save_dir"],
+                filename="{step}",
+                every_n_train_steps=spec["save_every"],
+                save_top_k=spec.get("top_k", -1),
+                monitor=spec.get("monitor"),
+                save_last=spec.get("save_last"),
             )
         )
     trainer = L.Trainer(
@@ -192,8 +203,9 @@ def run(spec: dict, out_dir: Path) -> None:
         import time as _time
 
         blocked = {}
-        for mode in ("sync", "async"):
-            strategy.async_checkpoint = mode == "async"
+        for mode in ("sync", "async", "full", "full-async"):
+            strategy.async_checkpoint = mode.endswith("async")
+            strategy.checkpoint_format = "full" if mode.startswith("full") else "sharded"
             before = {
                 n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for n, p in module.named_parameters()
@@ -215,6 +227,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if dist.get_rank() == 0:
         result = {
             "losses": facts.losses,
+            "link_targets_complete": facts.link_targets_complete,
             "params": full,
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),

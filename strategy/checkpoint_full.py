@@ -1,0 +1,281 @@
+"""Consolidated checkpoints (``checkpoint_format="full"``): one file, written by rank 0, that resumes.
+
+The sharded format (:mod:`cuboid.checkpoint`) is the default and scales to any model. The full
+format is for models whose weights and optimizer state fit in one host's memory: it gathers the
+state *parameter by parameter* (each gathered on the accelerator, copied to rank 0's host memory,
+then freed, so no accelerator ever holds more than one gathered parameter), pipeline stages
+sending their share to rank 0, and writes one ``torch.save`` file, atomically (temporary name,
+then rename).
+
+The file is a Lightning checkpoint: ``state_dict`` holds the LightningModule's weights by their
+usual names, so ``LightningModule.load_from_checkpoint`` and ``torch.load`` read it anywhere. The
+optimizer state (flattened, by parameter name, so it reshards) and each rank's RNG state sit under
+``"cuboid"``. Loading reshards onto any layout: every rank memory-maps the file and copies out its
+own slices through DCP's resharding planner.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+from torch.optim import Optimizer
+
+from cuboid.checkpoint import (
+    _OPTIONS,
+    CheckpointError,
+    _check_keys,
+    _collect_rng_states,
+    _publish,
+    _rank,
+    _same_world,
+    _set_rng_states,
+    load_pickled,
+)
+
+FORMAT = "full"
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    return path.is_file()
+
+
+def save_full(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    lightning_state: dict[str, Any],
+    mesh: DeviceMesh,
+    group: dist.ProcessGroup | None,
+    background: bool = False,
+) -> threading.Thread | None:
+    """Gather model and optimizer state to rank 0's host memory and write ``path`` (one file).
+
+    ``group`` is a gloo group over all ranks (``None``: the default group, when it is gloo): the
+    pipeline stages' shares travel to rank 0 through it as host tensors. With ``background``, rank
+    0 writes the file in a thread (returned; join it before the next save), after the gather.
+    """
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    for idx, opt in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
+    gathered = _gather_to_rank0(state, mesh, group)
+    rng = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(_collect_rng_states(), rng, dst=0, group=group)
+    if _rank() != 0:
+        return None
+    assert gathered is not None
+    payload = dict(lightning_state)
+    payload["state_dict"] = gathered.pop("model")
+    payload["cuboid"] = {
+        **payload.get("cuboid", {}),
+        "format": FORMAT,
+        "optimizer_states": [gathered[f"optimizer_{i}"] for i in range(len(optimizers))],
+        "rng": rng,
+    }
+
+    def write() -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, path)
+
+    if not background:
+        write()
+        return None
+    thread = threading.Thread(target=write, name=f"cuboid-save-{path.name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _gather_to_rank0(state: dict[str, Any], mesh: DeviceMesh, group: dist.ProcessGroup | None) -> dict | None:
+    """Full tensors of every stage, by name, on rank 0's host; ``None`` on other ranks.
+
+    Within a pipeline stage every rank holds the same names in the same order: each DTensor is
+    gathered over its own mesh (one parameter at a time) and the stage's first rank keeps a host
+    copy. Then each later stage's first rank sends its share to rank 0 (names first, then tensors).
+    """
+    coords = mesh.get_coordinate()
+    assert coords is not None
+    stage_lead = all(c == 0 for c in coords[1:])
+    share: dict[str, dict[str, Any]] = {}
+    for part, entries in state.items():
+        mine = share.setdefault(part, {})
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                full = value.full_tensor()
+                if stage_lead:
+                    mine[key] = full.detach().to("cpu", copy=True)
+                del full
+            elif stage_lead:
+                mine[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+    leads = [int(r) for r in mesh.mesh.reshape(mesh.mesh.shape[0], -1)[:, 0].tolist()]
+    if _rank() in leads[1:]:
+        _send_share(share, group)
+        return None
+    if _rank() != 0:
+        return None
+    for lead in leads[1:]:
+        for part, entries in _recv_share(lead, group).items():
+            share.setdefault(part, {}).update(entries)
+    return share
+
+
+def _send_share(share: dict[str, dict[str, Any]], group: dist.ProcessGroup | None) -> None:
+    header = {
+        part: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("object", v) for k, v in entries.items()}
+        for part, entries in share.items()
+    }
+    dist.send_object_list([header], dst=0, group=group)
+    for entries in share.values():
+        for value in entries.values():
+            if torch.is_tensor(value):
+                dist.send(_as_bytes(value), dst=0, group=group)
+
+
+def _recv_share(src: int, group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    share: dict[str, dict[str, Any]] = {}
+    for part, entries in box[0].items():
+        out = share.setdefault(part, {})
+        for key, (shape, kind) in entries.items():
+            if shape == "object":
+                out[key] = kind
+                continue
+            value = torch.empty(shape, dtype=kind)
+            dist.recv(_as_bytes(value), src=src, group=group)
+            out[key] = value
+    return share
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view (gloo sends bytes of any dtype this way, bf16 included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def load_full(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a full checkpoint into the current layout (any pp x dp x tp, or one process).
+
+    Every rank memory-maps the file (pages are shared and read on demand) and copies out the slices
+    it owns; returns Lightning's state, without the tensors.
+    """
+    payload = load_pickled(path, weights_only, mmap=True)
+    extra = payload.get("cuboid", {})
+    if "state_dict" not in payload or extra.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is a file but not a Cuboid full checkpoint (no 'state_dict' with cuboid format {FORMAT!r}). "
+            "Cuboid loads its own sharded directories and full files; a plain Lightning .ckpt can be loaded into "
+            "the model with LightningModule.load_from_checkpoint or torch.load before trainer.fit."
+        )
+    stored_opts = extra.pop("optimizer_states", [])
+    if optimizers and len(stored_opts) != len(optimizers):
+        raise CheckpointError(
+            f"{path} holds {len(stored_opts)} optimizer states but the LightningModule configures {len(optimizers)}."
+        )
+    stored = {"model": payload.pop("state_dict")}
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    for idx, opt in enumerate(optimizers):
+        stored[f"optimizer_{idx}"] = stored_opts[idx]
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
+    if strict:
+        _check_keys(path, {f"model.{k}" for k in stored["model"]}, state["model"])
+    dcp.load(state, storage_reader=_MappedReader(stored))
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for idx, opt in enumerate(optimizers):
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
+    rng = extra.pop("rng", None)
+    if rng is not None and _same_world(payload):
+        _set_rng_states(rng[_rank()])
+    return payload
+
+
+class _MappedReader(StorageReader):
+    """A DCP storage reader over an in-memory (memory-mapped) nested state dict of full tensors.
+
+    Each tensor is one chunk covering the whole tensor, so DCP's planner asks every rank for
+    exactly the slices its local shards need, in any layout.
+    """
+
+    def __init__(self, state: dict[str, dict[str, Any]]) -> None:
+        self.flat = {f"{part}.{key}": value for part, entries in state.items() for key, value in entries.items()}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        entries: dict[str, Any] = {}
+        for key, value in self.flat.items():
+            if torch.is_tensor(value):
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())
+                entries[key] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.size(), [chunk])
+            else:
+                entries[key] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=entries)
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        for item in plan.items:
+            value = self.flat[item.storage_index.fqn]
+            if item.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        return plans
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
