@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     result["torch_load_s"] = timed(lambda: torch.load(mine, weights_only=True))
     if dist.get_rank() == 0:
         total = {k: mb * world if k.startswith("full") else mb for k in result}
-        rate = {k.replace("_s", "_mb_per_s"): total[k] / v for k, v in result.items() if k.endswith("_s")}
+        rate = {k[:-2] + "_mb_per_s": total[k] / v for k, v in result.items() if k.endswith("_s")}
         print(
             f"\ncheckpoint throughput, {args.model} Llama, dp{world}, {mb:.0f} MB per rank (params + AdamW), CPU disk"
         )
