@@ -63,10 +63,6 @@ from cuboid.checkpoint import (
 FORMAT = "full"
 
 
-def is_full_checkpoint(path: Path) -> bool:
-    return path.is_file()
-
-
 def save_full(
     path: Path,
     module: nn.Module,

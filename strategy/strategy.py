@@ -84,8 +84,9 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             communication); an ``int`` reshards to a smaller group of that size. ``None`` (default):
             ``True``, except ``False`` under the zero-bubble schedules, whose split weight-gradient
             pass needs the gathered parameters (with ``True`` the last stage's block gradients were lost).
-        cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory.
-        compile: ``torch.compile`` each block.
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory (FSDP2's
+            ``CPUOffloadPolicy``; the optimizer step runs on the host). Accelerators only.
+        compile: ``torch.compile`` each block (in place, parameter names unchanged).
         async_checkpoint: Write checkpoints in the background: training continues once the shards
             are copied to host memory; the next save, a checkpoint deletion and teardown wait for it.
         checkpoint_format: ``"sharded"`` (default): a directory, every rank writing its own shards
@@ -260,6 +261,11 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         assert self.cluster_environment is not None
         # Check the layout in the launching process, before any child process or process group exists.
         self.layout.resolve(self.num_nodes * self.num_processes)
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ValueError(
+                "cpu_offload=True moves sharded parameters, gradients and optimizer state from accelerator memory to "
+                "host memory; with accelerator='cpu' they already are there. Set cpu_offload=False."
+            )
         check_slurm_tasks(self.cluster_environment, self.num_nodes, self.num_processes)
         forget_previous_launch()
         if not self.cluster_environment.creates_processes_externally:

@@ -32,6 +32,11 @@ def test_bad_layout_fails_in_the_launching_process_before_any_child_starts() -> 
         L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(tensor_parallel=3), logger=False)
 
 
+def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="with accelerator='cpu' they already are there. Set cpu_offload=False"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(cpu_offload=True), logger=False)
+
+
 def test_strategy_is_registered_by_name() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="cuboid", logger=False)
     assert isinstance(trainer.strategy, CuboidStrategy)

@@ -35,6 +35,10 @@ for layout, world, kwargs in [
     RUNS[f"{layout}-ac_selective"] = (world, {**kwargs, "activation_checkpointing": "selective"}, 1, False)
     RUNS[f"{layout}-accum2"] = (world, kwargs, 2, False)
 RUNS["dp2xtp2-meta_init"] = (4, {"tensor_parallel": 2}, 1, True)
+# HSDP composed with TP (replicate 2 x shard 2 x tp 2), partial resharding after forward, compiled blocks.
+RUNS["hsdp2x2xtp2"] = (8, {"data_parallel_replicate": 2, "tensor_parallel": 2}, 1, False)
+RUNS["dp4-reshard_after_forward2"] = (4, {"reshard_after_forward": 2}, 1, False)
+RUNS["dp2-compile"] = (2, {"compile": True}, 1, False)
 # Pipeline parallel: every schedule at pp=2, then pp composed with dp and tp, and the 8-process 3D cube.
 PP = {"pipeline_parallel": 2}
 RUNS["pp2-1F1B"] = (2, PP, 1, False)
@@ -178,6 +182,13 @@ def test_layout_is_real(name: str, results) -> None:
     assert sum(len(s) for s in flat) == len(set().union(*flat)) == 96
     for facts in ranks:
         assert facts["dp_sum"] == shard * rep  # reduce(sum) over the dp group counts each dp rank once
+
+
+@pytest.mark.slow
+def test_compile_really_compiles(results) -> None:
+    """compile=True runs the blocks through torch.compile (Dynamo graphs captured), the plain run does not."""
+    assert all(r["compiled_graphs"] > 0 for r in results["dp2-compile"]["ranks"])
+    assert all(r["compiled_graphs"] == 0 for r in results["dp2"]["ranks"])
 
 
 @pytest.mark.slow

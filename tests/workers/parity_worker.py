@@ -173,7 +173,9 @@ def run(spec: dict, out_dir: Path) -> None:
     dataset = TokenDataset(n=spec.get("samples", 96))
     # Lightning swaps in a DistributedSampler over the dp ranks, shuffled with the global seed per epoch.
     loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp), shuffle=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
+    compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     placements = {
         n: (
             list(p.device_mesh.mesh_dim_names),
@@ -196,6 +198,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "backward_ops": backward_ops(module) if strategy.layout.pp == 1 else None,
         "params": sorted(n for n, _ in module.named_parameters()),
         "schedule": type(strategy._pipeline.schedule).__name__ if strategy._pipeline else None,
+        "compiled_graphs": compiled_graphs,
     }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
