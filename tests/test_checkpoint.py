@@ -152,7 +152,10 @@ def test_checkpoint_is_sharded_one_file_per_rank(runs) -> None:
     shards = sorted(ckpt.glob("*.distcp"))
     assert [p.name for p in shards] == [f"__{r}_0.distcp" for r in range(8)]
     sizes = [p.stat().st_size for p in shards]
-    assert max(sizes) < 0.25 * sum(sizes)  # nobody gathered the model: each rank wrote its own share
+    # nobody gathered the model: each rank wrote its own share, rank 0 about 1/8 of the bytes (measured 0.10;
+    # the ranks differ by the small pickled optimizer settings, which DCP writes once, on some ranks)
+    assert 0.5 / 8 <= sizes[0] / sum(sizes) <= 1.5 / 8, sizes
+    assert max(sizes) <= 2 / 8 * sum(sizes), sizes
     assert sorted(p.name for p in (ckpt / "rng").iterdir()) == [f"rank{r}.pt" for r in range(8)]
     assert not [p for p in (out / "3d").iterdir() if p.name.startswith(".")]  # no temporaries left
 
