@@ -95,3 +95,15 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
+
+
+def check_reshard_after_forward(value: bool | int, dp_shard: int | str) -> None:
+    """``reshard_after_forward`` is a bool, or a divisor of ``dp_shard`` strictly between 1 and it."""
+    if isinstance(value, bool):
+        return
+    assert isinstance(dp_shard, int)
+    if not isinstance(value, int) or not (1 < value < dp_shard and dp_shard % value == 0):
+        raise LayoutError(
+            f"reshard_after_forward={value!r} must be True, False or a divisor of data_parallel_shard={dp_shard} "
+            f"strictly between 1 and {dp_shard} (e.g. the number of GPUs per node)."
+        )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 ACMode = Literal["full", "selective"]
@@ -121,3 +122,25 @@ def parallelize(
     if compile:
         apply_compile(blocks)
     apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
+
+
+def check_no_fsdp1(module: nn.Module) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``) wrappers: Cuboid applies FSDP2 itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [
+        name or type(module).__name__ for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise TypeError(
+            f"Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1): {wrapped[:3]}. "
+            "CuboidStrategy applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or "
+            "configure_model."
+        )
+
+
+def is_parallelized_by_user(module: nn.Module) -> bool:
+    """True when configure_model already applied fully_shard or made DTensor parameters."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )

@@ -26,16 +26,14 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from cuboid import materialize, pipeline, plans
 from cuboid.checkpoint_glue import CHECKPOINT_FORMATS, CheckpointMixin
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
-from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
-from cuboid.parallelize import ACMode, parallelize
+from cuboid.layout import Layout, build_device_mesh, check_reshard_after_forward, fsdp_mesh
+from cuboid.parallelize import ACMode, check_no_fsdp1, is_parallelized_by_user, parallelize
 from cuboid.pipeline_steps import PipelineStepsMixin
 from cuboid.precision import CuboidPrecision
 
@@ -260,7 +258,8 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         # Check the layout in the launching process, before any child process or process group exists.
-        self.layout.resolve(self.num_nodes * self.num_processes)
+        resolved = self.layout.resolve(self.num_nodes * self.num_processes)
+        check_reshard_after_forward(self.reshard_after_forward, resolved.dp_shard)
         if self.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded parameters, gradients and optimizer state from accelerator memory to "
@@ -307,7 +306,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         assert lm is not None
         check_no_fsdp1(lm)
         self.guard_checkpoint_callbacks(trainer.callbacks)
-        if _is_parallelized_by_user(lm):
+        if is_parallelized_by_user(lm):
             _materialize_distributed_module(lm, self.root_device)
         else:
             self._parallelize(lm)
@@ -337,7 +336,6 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
                 f"tensor_parallel={tp} but {type(lm).__name__} carries no tensor-parallel plan. Pass "
                 "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
             )
-        self._check_reshard_after_forward()
         lm = self.precision_plugin.convert_module(lm)
         is_meta = materialize.has_meta_tensors(lm)
         twins = materialize.meta_twins(lm) if is_meta else {}
@@ -373,18 +371,6 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
                 else ""
             )
         )
-
-    def _check_reshard_after_forward(self) -> None:
-        value = self.reshard_after_forward
-        if isinstance(value, bool):
-            return
-        shard = self.layout.dp_shard
-        assert isinstance(shard, int)
-        if not isinstance(value, int) or not (1 < value < shard and shard % value == 0):
-            raise LayoutError(
-                f"reshard_after_forward={value!r} must be True, False or a divisor of data_parallel_shard={shard} "
-                f"strictly between 1 and {shard} (e.g. the number of GPUs per node)."
-            )
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -435,25 +421,3 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
         )
-
-
-def check_no_fsdp1(module: nn.Module) -> None:
-    """Refuse FSDP1 (``FullyShardedDataParallel``) wrappers: Cuboid applies FSDP2 itself."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapped = [
-        name or type(module).__name__ for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
-    ]
-    if wrapped:
-        raise TypeError(
-            f"Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1): {wrapped[:3]}. "
-            "CuboidStrategy applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or "
-            "configure_model."
-        )
-
-
-def _is_parallelized_by_user(module: nn.Module) -> bool:
-    """True when configure_model already applied fully_shard or made DTensor parameters."""
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )

@@ -32,6 +32,14 @@ def test_bad_layout_fails_in_the_launching_process_before_any_child_starts() -> 
         L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(tensor_parallel=3), logger=False)
 
 
+def test_reshard_after_forward_int_must_divide_the_shard_group() -> None:
+    with pytest.raises(
+        LayoutError, match="reshard_after_forward=3 must be True, False or a divisor of data_parallel_shard=4"
+    ):
+        L.Trainer(accelerator="cpu", devices=4, strategy=CuboidStrategy(reshard_after_forward=3), logger=False)
+    L.Trainer(accelerator="cpu", devices=4, strategy=CuboidStrategy(reshard_after_forward=2), logger=False)
+
+
 def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="with accelerator='cpu' they already are there. Set cpu_offload=False"):
         L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(cpu_offload=True), logger=False)
@@ -175,7 +183,7 @@ def test_unsupported_precision_is_refused() -> None:
 def test_fsdp1_wrapped_modules_are_refused() -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from cuboid.strategy import check_no_fsdp1
+    from cuboid.parallelize import check_no_fsdp1
 
     # FSDP1 cannot be constructed without an accelerator; an uninitialised instance is enough for the check.
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
