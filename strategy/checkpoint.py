@@ -174,13 +174,17 @@ def load_sharded(
 
     DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
     from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
-    when the world size is the same as at save time. ``weights_only`` is Lightning's and torch's
+    when the world size is the same as at save time. A checkpoint saved without optimizer state
+    (``save_weights_only``) loads the model only. ``weights_only`` is Lightning's and torch's
     flag for the pickled Lightning state in ``meta.pt``: ``None`` means ``True``.
     """
     check_loadable(path)
+    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    if not any(k.startswith("optimizer_") for k in stored):
+        optimizers = []  # saved with ModelCheckpoint(save_weights_only=True): Lightning says so if it resumes
     state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
     if strict:
-        _check_keys(path, set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata), state["model"])
+        _check_keys(path, stored, state["model"])
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
     try:

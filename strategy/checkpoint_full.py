@@ -200,6 +200,8 @@ def load_full(
             "the model with LightningModule.load_from_checkpoint or torch.load before trainer.fit."
         )
     stored_opts = extra.pop("optimizer_states", [])
+    if not stored_opts:
+        optimizers = []  # saved with ModelCheckpoint(save_weights_only=True): Lightning says so if it resumes
     if optimizers and len(stored_opts) != len(optimizers):
         raise CheckpointError(
             f"{path} holds {len(stored_opts)} optimizer states but the LightningModule configures {len(optimizers)}."

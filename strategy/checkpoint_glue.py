@@ -55,7 +55,8 @@ class CheckpointMixin:
             raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
+        # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
+        optimizers = self.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         trainer = self.lightning_module.trainer
         checkpoint["cuboid"] = {
             "layout": self.layout.sizes,
@@ -72,7 +73,7 @@ class CheckpointMixin:
             self._pending_save = checkpoint_full.save_full(
                 path,
                 self.model,
-                self.optimizers,
+                optimizers,
                 checkpoint,
                 self.device_mesh,
                 self._checkpoint_group,
@@ -82,7 +83,7 @@ class CheckpointMixin:
         self._pending_save = ckpt.save_sharded(
             path,
             self.model,
-            self.optimizers,
+            optimizers,
             checkpoint,
             self.checkpoint_storage_writer,
             async_group=self._checkpoint_group if self.async_checkpoint else None,

@@ -64,6 +64,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
             [
                 {"name": "single-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")},
                 {"name": "single-from-3d-full", "strategy": {}, "resume_from": str(out / "3d-full" / "step=6.ckpt")},
+                {
+                    **save,
+                    "name": "weights-only",
+                    "strategy": {},
+                    "save_dir": str(out / "wo"),
+                    "save_weights_only": True,
+                },
+                {
+                    "name": "weights-only-resume",
+                    "strategy": {},
+                    "resume_from": str(out / "wo" / "step=6.ckpt"),
+                    "expect_error": True,
+                },
             ],
         ),
         (
@@ -106,8 +119,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     ]
     for world, specs in launches:
         torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    names = [s["name"] for _, specs in launches for s in specs]
-    return out, {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
+    names = [s["name"] for _, specs in launches for s in specs if not s.get("expect_error")]
+    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
+    errors = [s["name"] for _, specs in launches for s in specs if s.get("expect_error")]
+    got.update({n: json.loads((out / f"{n}.error.json").read_text()) for n in errors})
+    return out, got
 
 
 @pytest.mark.slow
@@ -401,3 +417,18 @@ def test_link_replaces_last_atomically_and_defers_deleting_its_target(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=4.ckpt"]
     strategy.remove_checkpoint(last)  # removing a link never touches its target
     assert (tmp_path / "step=4.ckpt").is_dir() and not last.exists()
+
+
+@pytest.mark.slow
+def test_save_weights_only_writes_the_model_alone(runs) -> None:
+    """ModelCheckpoint(save_weights_only=True): no optimizer shards (a smaller checkpoint with the same weights),
+    and resuming training from it stops with Lightning's own message, not a misleading read error."""
+    import torch.distributed.checkpoint as dcp
+
+    out, got = runs
+    keys = set(dcp.FileSystemReader(out / "wo" / "step=6.ckpt").read_metadata().state_dict_metadata)
+    assert keys and all(k.startswith("model.") for k in keys)
+    weights = read_model_weights(out / "wo" / "step=6.ckpt")
+    for name, tensor in read_model_weights(out / "single" / "step=6.ckpt").items():
+        assert torch.equal(weights[name], tensor), name
+    assert "save_weights_only" in got["weights-only-resume"]["error"], got["weights-only-resume"]

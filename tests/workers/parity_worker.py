@@ -154,6 +154,7 @@ def run(spec: dict, out_dir: Path) -> None:
                 save_top_k=spec.get("top_k", -1),
                 monitor=spec.get("monitor"),
                 save_last=spec.get("save_last"),
+                save_weights_only=spec.get("save_weights_only", False),
             )
         )
     trainer = L.Trainer(
