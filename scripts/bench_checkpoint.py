@@ -4,8 +4,10 @@
 
 After one training step (so AdamW state exists), each rank times: a sync save, an async save
 (time the training loop is blocked, and time until the write is complete), a load into the same
-layout, and ``torch.save``/``torch.load`` of its own local shards (parameters + optimizer state)
-to one file: the plain-PyTorch floor for writing the same bytes. MB/s are per rank, except for
+layout, and ``torch.save`` (fsynced, as DCP's writer does) / ``torch.load`` of its own local shards
+(parameters + optimizer state) to one file: the plain-PyTorch floor for writing the same bytes.
+Dirty pages are flushed (``os.sync``) before every timed operation, so one write does not bill
+the next. MB/s are per rank, except for
 ``checkpoint_format="full"`` (gathered to rank 0, one file): there MB/s is of the whole file.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -53,6 +56,8 @@ def local_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 def timed(fn) -> float:
+    """Seconds for ``fn`` on every rank, starting with no dirty pages left from the previous operation."""
+    os.sync()
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -60,8 +65,16 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def fsynced_save(obj: object, path: Path) -> None:
+    """``torch.save`` flushed to disk, as DCP's writer does (``sync_files=True``), so the two compare."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def worker(args: argparse.Namespace) -> None:
-    world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     strategy = CuboidStrategy(timeout=timedelta(minutes=10))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -95,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     result["full_save_s"] = timed(lambda: trainer.save_checkpoint(root / "full.ckpt"))
     result["full_load_s"] = timed(lambda: strategy.load_checkpoint(root / "full.ckpt"))
     mine = root / f"torch-rank{dist.get_rank()}.pt"
-    result["torch_save_s"] = timed(lambda: torch.save(local, mine))
+    result["torch_save_s"] = timed(lambda: fsynced_save(local, mine))
     result["torch_load_s"] = timed(lambda: torch.load(mine, weights_only=True))
     if dist.get_rank() == 0:
         total = {k: mb * world if k.startswith("full") else mb for k in result}
