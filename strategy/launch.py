@@ -60,7 +60,9 @@ def destroy_process_group_at_exit() -> None:
 
     A process that exits with a live gloo group can abort in C++ teardown ("terminate called
     without an active exception"); Lightning's child-process observer then sees a non-zero exit
-    and kills the whole job, the next Hydra sweep job included.
+    and kills the whole job, the next Hydra sweep job included. A core dump of such an abort showed
+    a gloo worker thread destroying a finished all-gather (``AsyncAllgatherWork``) and taking the
+    GIL during interpreter finalization (the race of pytorch/pytorch#179291).
     """
     global _AT_EXIT_REGISTERED
     if _AT_EXIT_REGISTERED:
@@ -69,9 +71,15 @@ def destroy_process_group_at_exit() -> None:
     import atexit
 
     def _destroy() -> None:
+        import time
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            # A gloo worker thread frees each finished collective's tensors after it signalled completion, which
+            # needs the GIL; if the interpreter is already finalizing it dies in C++ (std::terminate, SIGABRT).
+            # Release the GIL for a moment while Python is still whole, so those frees happen now.
+            time.sleep(0.1)
             dist.destroy_process_group()
 
     atexit.register(_destroy)
