@@ -116,9 +116,7 @@ def save_sharded(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-    for idx, opt in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
+    state = state_dicts(module, optimizers)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
     torch.save(_collect_rng_states(), tmp / RNG_DIR / f"rank{_rank()}.pt")
     if _rank() == 0:
@@ -155,6 +153,37 @@ def _publish(tmp: Path, path: Path) -> None:
     _remove(old)
 
 
+def state_dicts(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    """What both formats store: ``{"model": ..., "optimizer_<i>": ...}``, by parameter name (flattened optimizer
+    state), values as this rank holds them (DTensor shards)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    for idx, opt in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
+    return state
+
+
+def load_state(
+    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, stored: set[str], **dcp_load: Any
+) -> None:
+    """Read a checkpoint's entries (``stored``: its flattened keys) into this layout with DCP and set them.
+
+    A checkpoint without optimizer entries (``ModelCheckpoint(save_weights_only=True)``) sets the model
+    only; Lightning itself refuses to resume training from it, with its own message.
+    """
+    if not any(k.startswith("optimizer_") for k in stored):
+        optimizers = []
+    state = state_dicts(module, optimizers)
+    if strict:
+        _check_keys(path, stored, state["model"])
+    try:
+        dcp.load(state, **dcp_load)
+    except Exception as err:  # DCP wraps per-rank read failures
+        raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for idx, opt in enumerate(optimizers):
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
+
+
 def _remove(path: Path) -> None:
     """Delete a checkpoint directory, file or link (a link only, never what it points to)."""
     if path.is_symlink() or path.is_file():
@@ -180,20 +209,7 @@ def load_sharded(
     """
     check_loadable(path)
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    if not any(k.startswith("optimizer_") for k in stored):
-        optimizers = []  # saved with ModelCheckpoint(save_weights_only=True): Lightning says so if it resumes
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-    if strict:
-        _check_keys(path, stored, state["model"])
-    for idx, opt in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as err:  # DCP wraps per-rank read failures
-        raise CheckpointError(f"could not read the shards of {path} (corrupted or incomplete?): {err}") from err
-    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-    for idx, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
+    load_state(path, module, optimizers, strict, stored, checkpoint_id=path)
     meta = load_pickled(path / META_FILE, weights_only)
     rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
     if rng_file.is_file() and _same_world(meta):

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -35,13 +34,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -49,15 +41,15 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from cuboid.checkpoint import (
-    _OPTIONS,
     CheckpointError,
-    _check_keys,
     _collect_rng_states,
     _publish,
     _rank,
     _same_world,
     _set_rng_states,
     load_pickled,
+    load_state,
+    state_dicts,
 )
 
 FORMAT = "full"
@@ -78,10 +70,7 @@ def save_full(
     pipeline stages' shares travel to rank 0 through it as host tensors. With ``background``, rank
     0 writes the file in a thread (returned; join it before the next save), after the gather.
     """
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-    for idx, opt in enumerate(optimizers):
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    gathered = _gather_to_rank0(state, mesh, group)
+    gathered = _gather_to_rank0(state_dicts(module, optimizers), mesh, group)
     rng = [None] * dist.get_world_size() if _rank() == 0 else None
     dist.gather_object(_collect_rng_states(), rng, dst=0, group=group)
     if _rank() != 0:
@@ -200,23 +189,13 @@ def load_full(
             "the model with LightningModule.load_from_checkpoint or torch.load before trainer.fit."
         )
     stored_opts = extra.pop("optimizer_states", [])
-    if not stored_opts:
-        optimizers = []  # saved with ModelCheckpoint(save_weights_only=True): Lightning says so if it resumes
-    if optimizers and len(stored_opts) != len(optimizers):
+    if optimizers and stored_opts and len(stored_opts) != len(optimizers):
         raise CheckpointError(
             f"{path} holds {len(stored_opts)} optimizer states but the LightningModule configures {len(optimizers)}."
         )
-    stored = {"model": payload.pop("state_dict")}
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-    for idx, opt in enumerate(optimizers):
-        stored[f"optimizer_{idx}"] = stored_opts[idx]
-        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
-    if strict:
-        _check_keys(path, {f"model.{k}" for k in stored["model"]}, state["model"])
-    dcp.load(state, storage_reader=_MappedReader(stored))
-    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-    for idx, opt in enumerate(optimizers):
-        set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
+    stored = {"model": payload.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(stored_opts)}}
+    reader = _MappedReader(stored)
+    load_state(path, module, optimizers, strict, set(reader.flat), storage_reader=reader)
     rng = extra.pop("rng", None)
     if rng is not None and _same_world(payload):
         _set_rng_states(rng[_rank()])
