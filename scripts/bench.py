@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -190,6 +191,23 @@ def worker(args: argparse.Namespace) -> None:
         print(f"tokens/s ratio cuboid / lightning: {summary['ratio_tokens_per_s']:.3f}   (JSON: {args.out})")
 
 
+def worker_or_relaunch(
+    script: str,
+    parser: argparse.ArgumentParser,
+    worker: Callable[[argparse.Namespace], None],
+    argv: list[str] | None = None,
+    nprocs: int | None = None,
+) -> None:
+    """A suite's entry point: under torchrun (``--worker``) run ``worker(args)``; otherwise relaunch ``script``
+    there on ``nprocs`` processes (default: ``--devices``)."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    relaunch_under_torchrun(script, nprocs or args.devices, argv if argv is not None else sys.argv[1:])
+
+
 def relaunch_under_torchrun(script: str, nprocs: int, argv: list[str]) -> None:
     """Run ``script --worker ARGV`` on ``nprocs`` local processes (torchrun, a free loopback port); exit with its code."""
     with socket.socket() as sock:
@@ -236,12 +254,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--out", default="bench_results/fsdp_tp.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    relaunch_under_torchrun(__file__, args.devices, sys.argv[1:])
+    worker_or_relaunch(__file__, parser, worker)
 
 
 if __name__ == "__main__":

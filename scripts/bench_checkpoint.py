@@ -140,15 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="150m", choices=list(CONFIGS))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", default="bench_results/checkpoint.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench import relaunch_under_torchrun
+    from bench import worker_or_relaunch
 
-    relaunch_under_torchrun(__file__, args.devices, argv if argv is not None else sys.argv[1:])
+    worker_or_relaunch(__file__, parser, worker, argv)
 
 
 if __name__ == "__main__":

@@ -193,15 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", default="bench_results/pipeline.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench import relaunch_under_torchrun
+    from bench import worker_or_relaunch
 
-    relaunch_under_torchrun(__file__, 2, argv if argv is not None else sys.argv[1:])
+    worker_or_relaunch(__file__, parser, worker, argv, nprocs=2)
 
 
 if __name__ == "__main__":
