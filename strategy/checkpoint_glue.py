@@ -58,11 +58,14 @@ class CheckpointMixin:
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = self.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         trainer = self.lightning_module.trainer
+        batches = trainer.fit_loop.epoch_loop.batch_progress
         checkpoint["cuboid"] = {
             "layout": self.layout.sizes,
             "world_size": self.world_size,
-            # batches of the current epoch already trained: resume skips them (mid-epoch resume)
-            "batches_done_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+            # Batches of the current epoch already trained: a resume skips them (mid-epoch resume). After the
+            # epoch's last batch (a save at the epoch's end, or after fit) Lightning resumes with the next
+            # epoch, which must not be skipped into.
+            "batches_done_in_epoch": 0 if batches.is_last_batch else batches.current.processed,
         }
         assert self.model is not None
         self.wait_for_checkpoint()

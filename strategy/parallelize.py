@@ -49,11 +49,33 @@ def _sac_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+# Keyword arguments through which a Hugging Face layer reads *and updates* its KV cache. A checkpointed layer
+# must not get them in training: the recompute in backward would see the cache its own forward updated (a
+# different graph: selective checkpointing fails, full checkpointing recomputes against the wrong keys).
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """What transformers' own ``GradientCheckpointingLayer`` does under gradient checkpointing: in training with
+    gradients, ``use_cache=False`` and no cache object (unless the layer only reads it)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if changed.get(name) is not None:
+                changed[name] = None
+    return args, changed
+
+
 def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> None:
     """Activation checkpointing per block, without wrapping (FQNs unchanged).
 
     ``"full"`` recomputes the whole block in backward; ``"selective"`` keeps matmul and attention
-    outputs and recomputes the cheap ops in between.
+    outputs and recomputes the cheap ops in between. A block's KV-cache arguments (Hugging Face layers) are
+    dropped in training, before the checkpoint captures its inputs.
     """
     if mode is None:
         return
@@ -62,6 +84,7 @@ def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> No
     kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
     for _, block in blocks:
         checkpoint(block, **kwargs)
+        block.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True, prepend=True)
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:

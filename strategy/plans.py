@@ -11,55 +11,22 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
-# style -> (description, factory). Aliases map Hugging Face's names onto ours.
-STYLES: dict[str, str] = {
-    "colwise": "shard the output features (Linear weight dim 0); output stays sharded",
-    "rowwise": "shard the input features (Linear weight dim 1); output is all-reduced (replicated)",
-    "embedding": "shard the vocabulary of an nn.Embedding; input tokens replicated, output replicated",
-    "output": "shard the output features of the head and all-gather the result (replicated logits)",
-    "sequence_parallel": "shard activations along the sequence dim around norms (weights replicated)",
-}
-_ALIASES = {
-    "colwise_rep": "output",
-    "rowwise_rep": "rowwise",
-    "embedding_rowwise": "embedding",
-    "sequence_parallel_output": "sequence_parallel",
-}
+from cuboid.tp_styles import PlanError, canonical_style, sharded_size, to_parallel_style
 
-
-class PlanError(ValueError):
-    """A plan that does not fit the model or the layout; the message says what to change."""
-
-
-def canonical_style(style: str, pattern: str = "") -> str:
-    name = _ALIASES.get(style, style)
-    if name not in STYLES:
-        valid = ", ".join(f"'{s}'" for s in STYLES)
-        raise PlanError(
-            f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: {valid} "
-            f"(aliases: {', '.join(sorted(_ALIASES))})."
-        )
-    return name
-
-
-def to_parallel_style(style: str) -> ParallelStyle:
-    """Turn a style string into a DTensor ``ParallelStyle``."""
-    name = canonical_style(style)
-    if name == "colwise":
-        return ColwiseParallel()
-    if name == "rowwise":
-        return RowwiseParallel()
-    if name == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if name == "output":
-        return ColwiseParallel(output_layouts=Replicate())
-    return SequenceParallel()
+__all__ = [
+    "PlanError",
+    "canonical_style",
+    "check_tp_divisibility",
+    "find_blocks",
+    "find_model_plan",
+    "match_plan",
+    "parallel_plan",
+    "to_parallel_style",
+]
 
 
 def find_model_plan(root: nn.Module) -> dict[str, str]:
@@ -99,6 +66,13 @@ def match_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[nn.M
         name = canonical_style(style, pattern)
         hits = [m for m in modules if m and fnmatch.fnmatchcase(m, pattern)]
         if not hits:
+            params = [n for n, _ in root.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+            if params:
+                raise PlanError(
+                    f"Tensor-parallel plan pattern {pattern!r} ({style!r}) names parameters ({params[:2]}), not modules; "
+                    "Cuboid applies styles to modules only. Leave the entry out (the parameter stays replicated over "
+                    "tp and sharded by FSDP) or give the plan its owning module."
+                )
             close = [m for m in modules if m and m.split(".")[-1] == pattern.split(".")[-1]][:3]
             hint = f" Modules with that last name: {close}." if close else ""
             raise PlanError(
@@ -120,21 +94,21 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
         return
     problems: list[str] = []
     for name, (module, style) in matched.items():
-        if style == "sequence_parallel":
-            continue
-        dim = _sharded_size(module, style)
-        if dim is not None and dim % tp != 0:
-            what = {"colwise": "output features", "output": "output features", "rowwise": "input features"}.get(
-                style, "embeddings (vocabulary rows)"
+        split = sharded_size(module, style)
+        if split is not None and split[0] % tp != 0:
+            problems.append(
+                f"{name} ({type(module).__name__}, {style}): {split[1]} {split[0]} is not divisible by tp={tp}"
             )
-            problems.append(f"{name} ({type(module).__name__}, {style}): {what} {dim} is not divisible by tp={tp}")
     parents = {n.rsplit(".", 1)[0] for n in matched if "." in n}
     modules = dict(root.named_modules())
     for parent in sorted(parents):
-        for attr in _HEAD_ATTRS:
-            heads = getattr(modules.get(parent), attr, None)
-            if isinstance(heads, int) and heads % tp != 0:
-                problems.append(f"{parent}.{attr} = {heads} is not divisible by tp={tp}")
+        owner = modules.get(parent)
+        config = getattr(owner, "config", None)  # Hugging Face attention modules keep head counts there
+        for source, where in ((owner, parent), (config, f"{parent}.config")):
+            for attr in _HEAD_ATTRS:
+                heads = getattr(source, attr, None)
+                if isinstance(heads, int) and heads % tp != 0:
+                    problems.append(f"{where}.{attr} = {heads} is not divisible by tp={tp}")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise PlanError(
@@ -143,18 +117,10 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
         )
 
 
-def _sharded_size(module: nn.Module, style: str) -> int | None:
-    weight = getattr(module, "weight", None)
-    if weight is None or weight.dim() != 2:
-        return None
-    if isinstance(module, nn.Embedding):
-        return weight.shape[0]
-    return weight.shape[0] if style in ("colwise", "output") else weight.shape[1]
-
-
 def parallel_plan(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, ParallelStyle]:
     """Concrete module names -> DTensor styles, for ``parallelize_module``."""
-    return {name: to_parallel_style(style) for name, (_, style) in matched.items()}
+    styles = {name: to_parallel_style(style) for name, (_, style) in matched.items()}
+    return {name: style for name, style in styles.items() if style is not None}
 
 
 def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module]]:
@@ -186,7 +152,3 @@ def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str
         if len(children) > len(best):
             best = [(f"{name}.{k}" if name else k, c) for k, c in children]
     return best
-
-
-def describe_plan(matched: Mapping[str, Any]) -> str:
-    return ", ".join(f"{n}: {s}" for n, (_, s) in list(matched.items())[:6]) + (" ..." if len(matched) > 6 else "")

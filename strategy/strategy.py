@@ -337,11 +337,10 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
                 "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
             )
         lm = self.precision_plugin.convert_module(lm)
-        is_meta = materialize.has_meta_tensors(lm)
-        twins = materialize.meta_twins(lm) if is_meta else {}
-        if not is_meta:
-            lm.to(self.root_device)
-            materialize.broadcast_from_rank0(lm)
+        on_meta = materialize.meta_names(lm)
+        twins = materialize.meta_twins(lm) if on_meta else {}
+        materialize.to_device_except_meta(lm, self.root_device)
+        materialize.broadcast_from_rank0(lm)  # what was built for real: rank 0's values everywhere
         blocks = plans.find_blocks(lm, self.block_container)
         common = {
             "tp_mesh": mesh["tp"],
@@ -358,8 +357,8 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
             parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
             parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
-        if is_meta:
-            materialize.materialize_from_twins(lm, twins, self.root_device)
+        if on_meta:
+            materialize.materialize_from_twins(lm, twins, on_meta, self.root_device)
         if self.layout.pp > 1:
             self._build_schedule(stage_modules)
         rank_zero_info(
@@ -407,6 +406,18 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         if group is None and self._device_mesh is not None:
             group = self.dp_group
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a decision over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...).
+
+        Lightning's default sums the flag with :meth:`reduce`, which here covers the data-parallel
+        group only, and compares it with the world size: under tp or pp the two never match.
+        """
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def teardown(self) -> None:
         self.wait_for_checkpoint()

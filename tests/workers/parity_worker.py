@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import third_party  # noqa: E402
 from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
@@ -138,11 +139,31 @@ def run(spec: dict, out_dir: Path) -> None:
             return writer(path) if saves["n"] >= 2 else None
 
         strategy.checkpoint_storage_writer = second_save_stalls
-    module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
-        meta_init=spec.get("meta_init", False)
-    )
+    family = spec.get("model", "llama")
+    if family in third_party.FAMILIES:
+        module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
+        dataset = third_party.dataset(family, spec.get("samples", 96))
+        clip = third_party.CLIP[family]
+    else:
+        module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
+            meta_init=spec.get("meta_init", False)
+        )
+        dataset = TokenDataset(n=spec.get("samples", 96))
+        clip = CLIP[spec.get("accumulate", 1)]
+    if spec.get("probe_module"):  # a real submodule made in __init__, beside a model built on meta: kept as is
+        module.probe = torch.nn.Linear(4, 4)
+        torch.nn.init.constant_(module.probe.weight, 0.5)
+        torch.nn.init.constant_(module.probe.bias, 0.5)
     facts = Facts(Path(spec["save_dir"]) / "last.ckpt" if spec.get("save_last") == "link" else None)
     callbacks: list[L.Callback] = [facts]
+    if spec.get("save_epoch_end"):  # ModelCheckpoint's default: one checkpoint at the end of every epoch
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=spec["save_epoch_end"], filename="{epoch}-{step}", save_top_k=-1))
+    if spec.get("early_stopping"):
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        callbacks.append(EarlyStopping(**spec["early_stopping"]))
     if spec.get("save_every"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -163,20 +184,24 @@ def run(spec: dict, out_dir: Path) -> None:
         strategy=strategy,
         max_epochs=spec.get("epochs", 1),
         max_steps=spec.get("max_steps", -1),
-        gradient_clip_val=CLIP[spec.get("accumulate", 1)],
+        gradient_clip_val=clip,
         accumulate_grad_batches=spec.get("accumulate", 1),
-        enable_checkpointing=bool(spec.get("save_every")),
+        enable_checkpointing=bool(spec.get("save_every") or spec.get("save_epoch_end")),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    dataset = TokenDataset(n=spec.get("samples", 96))
     # Lightning swaps in a DistributedSampler over the dp ranks, shuffled with the global seed per epoch.
     loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp), shuffle=True)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
+    val_loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp) if spec.get("validate") else None
+    fit_kwargs = {"weights_only": spec["weights_only"]} if "weights_only" in spec else {}
+    trainer.fit(module, loader, val_loader, ckpt_path=spec.get("resume_from"), **fit_kwargs)
     compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    if spec.get("save_after_fit"):
+        trainer.save_checkpoint(spec["save_after_fit"])
+        strategy.wait_for_checkpoint()
     placements = {
         n: (
             list(p.device_mesh.mesh_dim_names),
@@ -196,11 +221,18 @@ def run(spec: dict, out_dir: Path) -> None:
         "rank": dist.get_rank(),
         "dp_rank": strategy.dp_mesh.get_local_rank(),
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
-        "backward_ops": backward_ops(module) if strategy.layout.pp == 1 else None,
+        "backward_ops": backward_ops(module) if strategy.layout.pp == 1 and family == "llama" else None,
         "params": sorted(n for n, _ in module.named_parameters()),
         "schedule": type(strategy._pipeline.schedule).__name__ if strategy._pipeline else None,
         "compiled_graphs": compiled_graphs,
+        "stopped_at": trainer.global_step,
+        "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
+        "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir()) if spec.get("save_dir") else None,
+        "best": str(Path(trainer.checkpoint_callback.best_model_path).name) if spec.get("monitor") else None,
     }
+    if spec.get("validate"):  # the batch losses the metric saw, recomputed by hand on this rank's val batches
+        with torch.no_grad():
+            mine["val_batch_losses"] = [float(third_party.hf_loss(module.model, b)) for b in trainer.val_dataloaders]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if spec.get("async_probe"):

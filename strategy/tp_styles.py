@@ -1,0 +1,182 @@
+"""Tensor-parallel style names, and the DTensor ``ParallelStyle`` each one becomes.
+
+A plan maps module-name globs to style strings. Cuboid's own names and Hugging Face's (4.x and
+5.x, read from ``transformers.distributed.tensor_parallel``, where each name is registered with
+its layouts) are accepted; each maps onto torch's DTensor styles with transformers' semantics:
+
+=============================  ==========================================================================
+style (aliases)                what it does
+=============================  ==========================================================================
+colwise                        Linear: shard output features; input replicated, output stays sharded
+rowwise                        Linear: shard input features; input sharded, output all-reduced
+rowwise_split_input            Linear: shard input features of a *replicated* input (it is split
+(rowwise_rep)                  locally), output all-reduced
+output (colwise_rep,           Linear: shard output features, all-gather the output (replicated)
+colwise_gather_output)
+embedding (embedding_rowwise)  Embedding: shard the vocabulary; lookups summed (output replicated)
+embedding_colwise              Embedding: shard the hidden dim; slices all-gathered (output replicated)
+sequence_parallel              norms/dropout on sequence-sharded activations (weights replicated)
+(sequence_parallel_output)
+replicated_with_grad_allreduce weights replicated, gradients summed over tp: a norm that sees only this
+                               rank's heads (Qwen3's ``q_norm``/``k_norm``)
+all_reduce                     the module's output is a partial sum: all-reduce it
+local_params                   run the module with its own tp-sharded parameters as local tensors
+replicate                      leave the module replicated (nothing to do)
+=============================  ==========================================================================
+
+Mixture-of-experts and fused-expert styles (``moe_tp_experts``, ``moe_identity_expert``,
+``packed_colwise``, ``packed_rowwise``, ``mla_kv_a_proj``, ``ep_*``) are refused with a message:
+Cuboid does not shard experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+STYLES: dict[str, str] = {
+    "colwise": "shard the output features (Linear weight dim 0); output stays sharded",
+    "rowwise": "shard the input features (Linear weight dim 1); input sharded, output all-reduced (replicated)",
+    "rowwise_split_input": "shard the input features of a replicated input (split locally); output all-reduced",
+    "output": "shard the output features and all-gather the result (replicated output)",
+    "embedding": "shard the vocabulary of an nn.Embedding; output summed over tp (replicated)",
+    "embedding_colwise": "shard the hidden dim of an nn.Embedding; output all-gathered (replicated)",
+    "sequence_parallel": "shard activations along the sequence dim around norms (weights replicated)",
+    "replicated_with_grad_allreduce": "weights replicated, gradients summed over tp (per-head norms)",
+    "all_reduce": "all-reduce the module's partial output",
+    "local_params": "run the module with its own tp-sharded parameters as local tensors",
+    "replicate": "leave the module replicated on every tp rank (nothing to do)",
+}
+ALIASES: dict[str, str] = {
+    "colwise_rep": "output",
+    "colwise_gather_output": "output",
+    "rowwise_rep": "rowwise_split_input",
+    "embedding_rowwise": "embedding",
+    "sequence_parallel_output": "sequence_parallel",
+}
+# Styles that shard experts of a mixture-of-experts layer (or fused expert weights): not supported.
+_EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "packed_colwise", "packed_rowwise", "mla_kv_a_proj")
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the model or the layout; the message says what to change."""
+
+
+def canonical_style(style: str, pattern: str = "") -> str:
+    """The canonical name of ``style`` (aliases resolved), or :class:`PlanError` naming the style and module."""
+    if not isinstance(style, str):
+        raise PlanError(f"Tensor-parallel style for {pattern!r} must be a string, got {style!r}.")
+    name = ALIASES.get(style, style)
+    if name in STYLES:
+        return name
+    if style in _EXPERT_STYLES or style.startswith(("moe_", "ep_", "grouped_")):
+        raise PlanError(
+            f"Tensor-parallel style {style!r} on {pattern!r} shards mixture-of-experts (or fused expert) weights, "
+            "which Cuboid does not support. Leave those modules out of the plan (pass tensor_parallel_plan= without "
+            "the expert entries: the experts then stay replicated over tp and sharded by FSDP), or use "
+            "tensor_parallel=1."
+        )
+    valid = ", ".join(f"'{s}'" for s in STYLES)
+    raise PlanError(
+        f"Unknown tensor-parallel style {style!r} for {pattern!r}. Valid styles: {valid} "
+        f"(aliases: {', '.join(sorted(ALIASES))})."
+    )
+
+
+def to_parallel_style(style: str) -> ParallelStyle | None:
+    """Turn a style string into a DTensor ``ParallelStyle`` (``None`` for ``"replicate"``: nothing to apply)."""
+    name = canonical_style(style)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel()
+    if name == "replicated_with_grad_allreduce":
+        return LocalParams(replicate_plain=True, grad_placements=[Partial()])
+    if name == "all_reduce":
+        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
+    if name == "local_params":
+        return LocalParams(replicate_plain=False, grad_placements=None)
+    return None  # "replicate"
+
+
+def sharded_size(module: nn.Module, style: str) -> tuple[int, str] | None:
+    """The size a style splits over tp, and what it is, for the divisibility check (``None``: nothing split)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    if style in ("colwise", "output"):
+        if isinstance(module, nn.Embedding):
+            return weight.shape[1], "embedding dim"
+        return weight.shape[0], "output features"
+    if style in ("rowwise", "rowwise_split_input"):
+        if isinstance(module, nn.Embedding):
+            return weight.shape[0], "embeddings (vocabulary rows)"
+        return weight.shape[1], "input features"
+    if style == "embedding":
+        return weight.shape[0], "embeddings (vocabulary rows)"
+    if style == "embedding_colwise":
+        return weight.shape[1], "embedding dim"
+    return None
+
+
+class LocalParams(ParallelStyle):
+    """Run a module's forward with its own DTensor parameters as local tensors.
+
+    ``replicate_plain``: first make its plain parameters replicated DTensors on the tp mesh (so FSDP2
+    shards them as 2-D DTensors and the gradient placement is tracked). ``grad_placements``: how the
+    gradient of the local tensor is read (``[Partial()]``: each rank holds a partial sum, which the
+    redistribute to the parameter's ``Replicate`` placement all-reduces; ``None``: as the parameter's
+    own placement). This is what transformers' ``replicated_with_grad_allreduce`` and ``local_params``
+    do, expressed in DTensor terms so that it composes with FSDP2 and checkpoints.
+    """
+
+    def __init__(self, replicate_plain: bool, grad_placements: list[Any] | None) -> None:
+        super().__init__()
+        self.replicate_plain = replicate_plain
+        self.grad_placements = grad_placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.replicate_plain:
+            for name, param in list(module.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                    module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        originals: dict[str, nn.Parameter] = {}
+        grad_placements = self.grad_placements
+
+        def to_local(mod: nn.Module, args: Any) -> None:
+            # nn.Module refuses a plain tensor under a parameter's name through setattr: swap in _parameters,
+            # as FSDP2 itself does when it installs unsharded parameters.
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    originals[name] = param
+                    mod._parameters[name] = param.to_local(grad_placements=grad_placements)  # type: ignore[assignment]
+
+        def restore(mod: nn.Module, args: Any, output: Any) -> Any:
+            mod._parameters.update(originals)
+            originals.clear()
+            return output
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module

@@ -1,0 +1,143 @@
+"""Code nobody here wrote: Hugging Face models in LightningModules written the way users write them.
+
+Each family gives a tiny config built locally (no downloads), a dataset with an ``"idx"`` per sample
+(the parity worker records which samples each rank saw), a LightningModule with torchmetrics and no
+parallel code, and a single-process plain-PyTorch reference on the same global batches (the order
+Lightning's DistributedSampler gives them, as in :mod:`parity_lib`).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from parity_lib import ADAMW, GLOBAL_BATCH, SEED, Reference, TokenDataset
+from torch import nn
+from torch.utils.data import Dataset
+from torchmetrics import MeanMetric
+
+FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit")
+# Max grad norm per family: the reference clips on some steps and not on others (test_third_party asserts both).
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0}
+
+# Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
+VIT_PLAN = {
+    "model.vit.layers.*.attention.q_proj": "colwise",
+    "model.vit.layers.*.attention.k_proj": "colwise",
+    "model.vit.layers.*.attention.v_proj": "colwise",
+    "model.vit.layers.*.attention.o_proj": "rowwise",
+    "model.vit.layers.*.mlp.fc1": "colwise",
+    "model.vit.layers.*.mlp.fc2": "rowwise",
+}
+
+
+def hf_config(family: str):
+    import transformers
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+    if family == "hf_llama":
+        return transformers.LlamaConfig(vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, **small)
+    if family == "hf_qwen3":
+        return transformers.Qwen3Config(
+            vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **small
+        )
+    if family == "hf_vit":
+        return transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **small)
+    raise ValueError(family)
+
+
+def build_model(family: str) -> nn.Module:
+    import transformers
+
+    config = hf_config(family)
+    if family == "hf_vit":
+        return transformers.ViTForImageClassification(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def initial_model(family: str, meta_init: bool = False) -> nn.Module:
+    """The weights every run starts from. ``meta_init``: built on meta, then transformers' own init on the host
+    (what Cuboid's rank 0 does), from the RNG state the module's ``configure_model`` leaves."""
+    torch.manual_seed(SEED)
+    if not meta_init:
+        return build_model(family)
+    with torch.device("meta"):
+        model = build_model(family)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+class ImageDataset(Dataset):
+    """16x16 RGB images whose label is a function of their mean colour and brightness pattern."""
+
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.images = torch.randn(n, 3, 16, 16, generator=g)
+        score = self.images[:, 0, :8].mean((1, 2)) - self.images[:, 1, 8:].mean((1, 2))
+        self.labels = torch.bucketize(score, torch.linspace(-0.3, 0.3, 9))
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"idx": torch.tensor(i), "pixel_values": self.images[i], "labels": self.labels[i]}
+
+
+def dataset(family: str, n: int = 96) -> Dataset:
+    return ImageDataset(n) if family == "hf_vit" else TokenDataset(n)
+
+
+def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What a user's step computes: the model's own loss."""
+    if "pixel_values" in batch:
+        return model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
+    tokens = batch["tokens"]
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+class HFModule(L.LightningModule):
+    """A LightningModule around a transformers model, as users write one: no parallel code in it."""
+
+    def __init__(self, family: str, meta_init: bool = False) -> None:
+        super().__init__()
+        self.family = family
+        self.meta_init = meta_init
+        self.model: nn.Module | None = None if meta_init else initial_model(family)
+        self.val_loss = MeanMetric()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(SEED)
+            with torch.device("meta"):
+                self.model = build_model(self.family)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = hf_loss(self.model, batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_loss.update(hf_loss(self.model, batch))
+        self.log("val_loss", self.val_loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), **ADAMW)
+
+
+def reference_run(family: str, meta_init: bool = False, steps: int | None = None) -> Reference:
+    """Single-process fp32 training of ``family`` on the same global batches, clipped at ``CLIP[family]``."""
+    model = initial_model(family, meta_init)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    data = dataset(family)
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
+    losses, norms = [], []
+    for k in range(steps or len(data) // GLOBAL_BATCH):
+        items = [data[i] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]]
+        batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
+        loss = hf_loss(model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[family])))
+        opt.step()
+        opt.zero_grad()
+    return Reference(losses, norms, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()})
