@@ -201,7 +201,7 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Load model (and optimizer) shards into the current layout; return Lightning's state.
 
-    DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
+    Also reads the sharded directories of Lightning's ModelParallelStrategy and FSDPStrategy. DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
     from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
     when the world size is the same as at save time. A checkpoint saved without optimizer state
     (``save_weights_only``) loads the model only. ``weights_only`` is Lightning's and torch's
@@ -209,8 +209,22 @@ def load_sharded(
     """
     check_loadable(path)
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    load_state(path, module, optimizers, strict, stored, checkpoint_id=path)
     meta = load_pickled(path / META_FILE, weights_only)
+    if "cuboid" not in meta:  # written by Lightning's ModelParallelStrategy or FSDPStrategy
+        from cuboid.checkpoint_lightning import foreign_model_key, load_foreign_sharded
+
+        key = foreign_model_key(stored)
+        if key is None:
+            raise CheckpointError(
+                f"{path} is a DCP directory with neither 'state_dict.*' (ModelParallelStrategy) nor 'model.*' "
+                "(FSDPStrategy, Cuboid) entries: not a Lightning checkpoint."
+            )
+        try:
+            load_foreign_sharded(path, module, optimizers, key, strict)
+        except Exception as err:  # DCP wraps per-rank failures: say which checkpoint, nothing else
+            raise CheckpointError(f"could not load {path} (a Lightning {key!r} checkpoint): {err}") from err
+        return meta
+    load_state(path, module, optimizers, strict, stored, checkpoint_id=path)
     rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
     if rng_file.is_file() and _same_world(meta):
         _set_rng_states(torch.load(rng_file, map_location="cpu", weights_only=True))

@@ -8,10 +8,12 @@ sending their share to rank 0, and writes one ``torch.save`` file, atomically (t
 then rename).
 
 The file is a Lightning checkpoint: ``state_dict`` holds the LightningModule's weights by their
-usual names, so ``LightningModule.load_from_checkpoint`` and ``torch.load`` read it anywhere. The
-optimizer state (flattened, by parameter name, so it reshards) and each rank's RNG state sit under
-``"cuboid"``. Loading reshards onto any layout: every rank memory-maps the file and copies out its
-own slices through DCP's resharding planner.
+usual names and ``optimizer_states`` each optimizer's state in ``torch.optim``'s own format (by
+parameter position, see :mod:`cuboid.checkpoint_lightning`), so plain Lightning resumes it, optimizer
+included, and ``LightningModule.load_from_checkpoint`` reads it anywhere. Each rank's RNG state sits
+under ``"cuboid"``. Loading reshards onto any layout: every rank memory-maps the file and copies out
+its own slices through DCP's resharding planner. The same loader reads plain Lightning checkpoints
+(DDP, ModelParallelStrategy and FSDPStrategy full files).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from cuboid import checkpoint_lightning as lightning_format
 from cuboid.checkpoint import (
     CheckpointError,
     _collect_rng_states,
@@ -63,13 +66,16 @@ def save_full(
     mesh: DeviceMesh,
     group: dist.ProcessGroup | None,
     background: bool = False,
+    model_order: Sequence[str] | None = None,
 ) -> threading.Thread | None:
     """Gather model and optimizer state to rank 0's host memory and write ``path`` (one file).
 
     ``group`` is a gloo group over all ranks (``None``: the default group, when it is gloo): the
     pipeline stages' shares travel to rank 0 through it as host tensors. With ``background``, rank
     0 writes the file in a thread (returned; join it before the next save), after the gather.
+    ``model_order``: the model's parameter names before a pipeline split (``None`` without one).
     """
+    groups = lightning_format.optimizer_groups(module, optimizers, model_order)
     gathered = _gather_to_rank0(state_dicts(module, optimizers), mesh, group)
     rng = [None] * dist.get_world_size() if _rank() == 0 else None
     dist.gather_object(_collect_rng_states(), rng, dst=0, group=group)
@@ -78,12 +84,15 @@ def save_full(
     assert gathered is not None
     payload = dict(lightning_state)
     payload["state_dict"] = gathered.pop("model")
-    payload["cuboid"] = {
-        **payload.get("cuboid", {}),
-        "format": FORMAT,
-        "optimizer_states": [gathered[f"optimizer_{i}"] for i in range(len(optimizers))],
-        "rng": rng,
-    }
+    payload["optimizer_states"] = [
+        lightning_format.to_positional(
+            gathered[f"optimizer_{i}"],
+            groups[i],
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        )
+        for i, opt in enumerate(optimizers)
+    ]
+    payload["cuboid"] = {**payload.get("cuboid", {}), "format": FORMAT, "rng": rng}
 
     def write() -> None:
         tmp = path.with_name(f".{path.name}.tmp")
@@ -174,25 +183,42 @@ def load_full(
     optimizers: Sequence[Optimizer],
     strict: bool = True,
     weights_only: bool | None = None,
+    model_order: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint into the current layout (any pp x dp x tp, or one process).
 
-    Every rank memory-maps the file (pages are shared and read on demand) and copies out the slices
-    it owns; returns Lightning's state, without the tensors.
+    Reads Cuboid's full files and plain Lightning checkpoints (DDP, ModelParallelStrategy, FSDPStrategy):
+    ``state_dict`` by the LightningModule's names, ``optimizer_states`` in ``torch.optim``'s format. Every
+    rank memory-maps the file (pages are shared and read on demand) and copies out the slices it owns;
+    returns Lightning's state, without the tensors.
     """
     payload = load_pickled(path, weights_only, mmap=True)
+    if not isinstance(payload, dict) or not isinstance(payload.get("state_dict"), dict):
+        raise CheckpointError(
+            f"{path} is a file without a 'state_dict': not a Lightning checkpoint. Cuboid resumes its own sharded "
+            "directories and full files, and Lightning's (DDP, ModelParallelStrategy, FSDPStrategy) checkpoints."
+        )
     extra = payload.get("cuboid", {})
-    if "state_dict" not in payload or extra.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} is a file but not a Cuboid full checkpoint (no 'state_dict' with cuboid format {FORMAT!r}). "
-            "Cuboid loads its own sharded directories and full files; a plain Lightning .ckpt can be loaded into "
-            "the model with LightningModule.load_from_checkpoint or torch.load before trainer.fit."
-        )
-    stored_opts = extra.pop("optimizer_states", [])
-    if optimizers and stored_opts and len(stored_opts) != len(optimizers):
-        raise CheckpointError(
-            f"{path} holds {len(stored_opts)} optimizer states but the LightningModule configures {len(optimizers)}."
-        )
+    positional = payload.pop("optimizer_states", None)
+    if positional is not None and optimizers:
+        if len(positional) != len(optimizers):
+            raise CheckpointError(
+                f"{path} holds {len(positional)} optimizer states but the LightningModule configures {len(optimizers)}."
+            )
+        groups = lightning_format.optimizer_groups(module, optimizers, model_order)
+        try:
+            stored_opts = [
+                lightning_format.from_positional(o, g, str(path)) for o, g in zip(positional, groups, strict=True)
+            ]
+        except lightning_format.FormatError as err:
+            raise CheckpointError(str(err)) from None
+    else:  # Cuboid full files from before optimizer_states was written in torch.optim's format
+        stored_opts = extra.pop("optimizer_states", [])
+        if optimizers and stored_opts and len(stored_opts) != len(optimizers):
+            raise CheckpointError(
+                f"{path} holds {len(stored_opts)} optimizer states but the LightningModule configures "
+                f"{len(optimizers)}."
+            )
     stored = {"model": payload.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(stored_opts)}}
     reader = _MappedReader(stored)
     load_state(path, module, optimizers, strict, set(reader.flat), storage_reader=reader)

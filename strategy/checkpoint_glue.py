@@ -37,6 +37,7 @@ class CheckpointMixin:
     _pending_save: Any
     _checkpoint_group: dist.ProcessGroup | None
     _resume_skip: int
+    _param_order: list[str] | None  # the model's parameter names before a pipeline split (None without one)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the model is written shard by shard in save_checkpoint
@@ -81,6 +82,7 @@ class CheckpointMixin:
                 self.device_mesh,
                 self._checkpoint_group,
                 background=self.async_checkpoint,
+                model_order=self._param_order,
             )
             return
         self._pending_save = ckpt.save_sharded(
@@ -102,9 +104,13 @@ class CheckpointMixin:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         ckpt.check_loadable(path, allow_file=True)
-        load = checkpoint_full.load_full if path.is_file() else ckpt.load_sharded
         strict = self.lightning_module.strict_loading
-        meta = load(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+        if path.is_file():
+            meta = checkpoint_full.load_full(
+                path, self.model, self.optimizers, strict, weights_only, model_order=self._param_order
+            )
+        else:
+            meta = ckpt.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
         return meta
 

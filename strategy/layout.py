@@ -83,10 +83,14 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     """Build the 4-D mesh for a resolved layout, and the flattened data-parallel mesh.
 
     The flattened ``dp`` mesh (dp_replicate x dp_shard, named ``"dp"``) is what the data
-    sampler, loss and metric reduction use.
+    sampler, loss and metric reduction use. The mesh also answers to Lightning's
+    ModelParallelStrategy names, so a ``configure_model`` written for it runs unchanged:
+    ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp).
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
+    mesh["tp"]._flatten("tensor_parallel")
     return mesh, dp_mesh
 
 

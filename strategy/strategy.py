@@ -187,6 +187,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         self.checkpoint_storage_writer: Any = None
         self._pipeline_owner = ""
         self._stashed_grads: list[Tensor | None] = []
+        self._param_order: list[str] | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout and mesh
@@ -327,6 +328,8 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
                 f"{type(lm).__name__} holds parameters directly ({names}); CuboidStrategy shards the modules the "
                 "LightningModule calls. Move these parameters into a submodule (e.g. self.model)."
             )
+        if self.layout.pp > 1:  # positions in a Lightning optimizer state follow the whole model's order
+            self._param_order = [name for name, _ in lm.named_parameters()]
         plan = self.tensor_parallel_plan if self.tensor_parallel_plan is not None else plans.find_model_plan(lm)
         tp = self.layout.tp
         matched = plans.match_plan(lm, plan) if tp > 1 else {}

@@ -87,8 +87,10 @@ class Reference:
     params: dict[str, torch.Tensor]
 
 
-def reference_run(accumulate: int = 1, epochs: int = 1) -> Reference:
-    """Single-process fp32 training on the same global batches."""
+def reference_run(accumulate: int = 1, epochs: int = 1, clip: float | None = -1.0) -> Reference:
+    """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
+    not clipped)."""
+    max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
     model = initial_model()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = TokenDataset()
@@ -101,7 +103,7 @@ def reference_run(accumulate: int = 1, epochs: int = 1) -> Reference:
             (loss / accumulate).backward()
             losses.append(loss.item())
             if (k + 1) % accumulate == 0:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[accumulate])))
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
                 opt.step()
                 opt.zero_grad()
     return Reference(losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()})

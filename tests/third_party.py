@@ -124,20 +124,21 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), **ADAMW)
 
 
-def reference_run(family: str, meta_init: bool = False, steps: int | None = None) -> Reference:
+def reference_run(family: str, meta_init: bool = False, epochs: int = 1) -> Reference:
     """Single-process fp32 training of ``family`` on the same global batches, clipped at ``CLIP[family]``."""
     model = initial_model(family, meta_init)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = dataset(family)
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
     losses, norms = [], []
-    for k in range(steps or len(data) // GLOBAL_BATCH):
-        items = [data[i] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]]
-        batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
-        loss = hf_loss(model, batch)
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[family])))
-        opt.step()
-        opt.zero_grad()
+    for epoch in range(epochs):
+        perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        for k in range(len(data) // GLOBAL_BATCH):
+            items = [data[i] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]]
+            batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
+            loss = hf_loss(model, batch)
+            loss.backward()
+            losses.append(loss.item())
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[family])))
+            opt.step()
+            opt.zero_grad()
     return Reference(losses, norms, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()})

@@ -1,0 +1,90 @@
+"""Lightning's own callbacks under Cuboid: the decisions they take and the checkpoints they write.
+
+- ``ModelCheckpoint(monitor=..., save_top_k=2)`` and ``EarlyStopping`` agree over every rank: under tp2 and
+  pp2 they keep the same checkpoints and stop at the same step as a single-process run (Lightning's
+  ``reduce_boolean_decision`` compared a dp-group sum with the world size, so top-k never updated under tp).
+- A checkpoint from the end of an epoch (``ModelCheckpoint``'s default save, or ``trainer.save_checkpoint``
+  after ``fit``) resumes with the whole next epoch, in both formats; it had skipped the epoch's batches again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import WORKERS, torchrun
+from parity_lib import reference_run
+
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+TP2, PP2 = {"tensor_parallel": 2}, {"pipeline_parallel": 2}
+LAYOUTS = {"single": (1, {}), "tp2": (2, TP2), "pp2": (2, PP2)}
+# Stops after the epoch whose last logged train_loss falls below 5.2: epoch 3 of 4 on the reference curve.
+EARLY = {"monitor": "train_loss", "stopping_threshold": 5.2, "check_on_train_epoch_end": True}
+FORMATS = ("sharded", "full")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("callbacks")
+    launches: dict[int, list[dict]] = {1: [], 2: []}
+    for layout, (world, strategy) in LAYOUTS.items():
+        launches[world].append(
+            {
+                "name": f"decide-{layout}",
+                "strategy": strategy,
+                "epochs": 4,
+                "save_every": 2,
+                "save_dir": str(out / f"decide-{layout}"),
+                "top_k": 2,
+                "monitor": "train_loss",
+                "early_stopping": EARLY,
+            }
+        )
+    for fmt in FORMATS:
+        strategy = {"checkpoint_format": fmt}
+        launches[2].append(
+            {
+                "name": f"epoch-end-{fmt}",
+                "strategy": strategy,
+                "save_epoch_end": str(out / f"epoch-end-{fmt}"),
+                "save_after_fit": str(out / f"after-fit-{fmt}.ckpt"),
+            }
+        )
+        for path in (f"epoch-end-{fmt}/epoch=0-step=12.ckpt", f"after-fit-{fmt}.ckpt"):
+            name = f"resume-{path.split('/')[0].replace('.ckpt', '')}"
+            launches[2].append({"name": name, "strategy": {}, "epochs": 2, "resume_from": str(out / path)})
+    for world, specs in launches.items():
+        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
+    names = [s["name"] for specs in launches.values() for s in specs]
+    return {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_top_k_and_early_stopping_decide_as_single_process(layout: str, results) -> None:
+    single, got = results["decide-single"]["ranks"][0], results[f"decide-{layout}"]["ranks"]
+    assert single["stopped_at"] == 36  # the reference stops after epoch 3 of 4
+    assert len(single["kept"]) == 2 and single["best"] in single["kept"]
+    for facts in got:  # every rank: same stopping step, same checkpoints kept, same best
+        assert facts["stopped_at"] == single["stopped_at"], (facts["rank"], facts["stopped_at"])
+        assert facts["kept"] == single["kept"], (facts["rank"], facts["kept"], single["kept"])
+        assert facts["best"] == single["best"], (facts["rank"], facts["best"], single["best"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", ["epoch-end", "after-fit"])
+def test_end_of_epoch_checkpoint_resumes_with_the_next_epoch(fmt: str, path: str, results) -> None:
+    """fit one epoch, save at its end, resume with max_epochs=2: the whole second epoch is trained, on the
+    single-process curve."""
+    ref = reference_run(epochs=2)
+    got = results[f"resume-{path}-{fmt}"]
+    assert len(got["losses"]) == 12, len(got["losses"])  # it trained 0 steps before
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses[12:], strict=True))
+    assert rel <= LOSS_RTOL, rel
+    err = max((got["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
+    assert err <= PARAM_ATOL, err
+    # and it saw the second epoch's samples, every one of them
+    seen = {i for facts in got["ranks"] for step in facts["seen"] for i in step}
+    assert seen == set(range(96))

@@ -1,0 +1,51 @@
+"""The fast subset that `.ci/run` also runs against the floor versions declared in pyproject.toml.
+
+One parity run per dimension (FSDP2 dp2, tensor parallel tp2, pipeline parallel pp2) and one checkpoint
+reshard (saved at tp2, resumed at dp2), with the bound of test_parity. In the main environment this
+repeats what test_parity and test_checkpoint cover; in the floor environment it is what keeps the
+declared floors true.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import WORKERS, torchrun
+from parity_lib import reference_run
+
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+RUNS = {
+    "floor-dp2": {"strategy": {}},
+    "floor-tp2": {"strategy": {"tensor_parallel": 2}},
+    "floor-pp2": {"strategy": {"pipeline_parallel": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("floor")
+    specs = [{"name": name, **spec} for name, spec in RUNS.items()]
+    specs.append(
+        {"name": "floor-save-tp2", "strategy": {"tensor_parallel": 2}, "max_steps": 7, "save_every": 6,
+         "save_dir": str(out / "tp2")}
+    )  # fmt: skip
+    specs.append({"name": "floor-tp2-to-dp2", "strategy": {}, "resume_from": str(out / "tp2" / "step=6.ckpt")})
+    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
+    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in specs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*RUNS, "floor-tp2-to-dp2"])
+def test_floor_subset_matches_single_process(name: str, results) -> None:
+    import lightning
+
+    ref = reference_run()
+    got = results[name]
+    losses = ref.losses[6:] if name.endswith("to-dp2") else ref.losses
+    assert len(got["losses"]) == len(losses)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], losses, strict=True))
+    err = max((got["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
+    print(f"{name} (torch {torch.__version__}, lightning {lightning.__version__}): {rel:.2e} / {err:.2e}")
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
