@@ -84,14 +84,15 @@ def save_full(
     assert gathered is not None
     payload = dict(lightning_state)
     payload["state_dict"] = gathered.pop("model")
-    payload["optimizer_states"] = [
-        lightning_format.to_positional(
-            gathered[f"optimizer_{i}"],
-            groups[i],
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        )
-        for i, opt in enumerate(optimizers)
-    ]
+    if optimizers:  # none for ModelCheckpoint(save_weights_only=True): leave the key out, as Lightning does
+        payload["optimizer_states"] = [
+            lightning_format.to_positional(
+                gathered[f"optimizer_{i}"],
+                groups[i],
+                [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            )
+            for i, opt in enumerate(optimizers)
+        ]
     payload["cuboid"] = {**payload.get("cuboid", {}), "format": FORMAT, "rng": rng}
 
     def write() -> None:
