@@ -99,7 +99,8 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.checkpoint:
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=True))
+        # save_last="link": `last.ckpt` is a link to the newest checkpoint, not a second copy of it
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last="link"))
     trainer: L.Trainer = instantiate(
         cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks, enable_checkpointing=bool(cfg.checkpoint)
     )
