@@ -54,6 +54,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for path in (f"epoch-end-{fmt}/epoch=0-step=12.ckpt", f"after-fit-{fmt}.ckpt"):
             name = f"resume-{path.split('/')[0].replace('.ckpt', '')}"
             launches[2].append({"name": name, "strategy": {}, "epochs": 2, "resume_from": str(out / path)})
+    # and a third-party model: transformers' Qwen3 at tp2, saved at the epoch's end, resumed at dp2
+    launches[2].append(
+        {"name": "epoch-end-qwen3", "model": "hf_qwen3", "strategy": TP2, "save_epoch_end": str(out / "qwen3")}
+    )
+    launches[2].append(
+        {"name": "resume-epoch-end-qwen3", "model": "hf_qwen3", "strategy": {}, "epochs": 2,
+         "resume_from": str(out / "qwen3" / "epoch=0-step=12.ckpt")}
+    )  # fmt: skip
     for world, specs in launches.items():
         torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
     names = [s["name"] for specs in launches.values() for s in specs]
@@ -88,3 +96,14 @@ def test_end_of_epoch_checkpoint_resumes_with_the_next_epoch(fmt: str, path: str
     # and it saw the second epoch's samples, every one of them
     seen = {i for facts in got["ranks"] for step in facts["seen"] for i in step}
     assert seen == set(range(96))
+
+
+@pytest.mark.slow
+def test_end_of_epoch_resume_of_a_third_party_model(results) -> None:
+    third_party = pytest.importorskip("third_party")
+    ref = third_party.reference_run("hf_qwen3", epochs=2)
+    got = results["resume-epoch-end-qwen3"]
+    assert len(got["losses"]) == 12, len(got["losses"])
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses[12:], strict=True))
+    err = max((got["params"][k] - v).abs().max().item() for k, v in ref.params.items())
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
