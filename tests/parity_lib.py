@@ -107,3 +107,18 @@ def reference_run(accumulate: int = 1, epochs: int = 1, clip: float | None = -1.
                 opt.step()
                 opt.zero_grad()
     return Reference(losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+# The one parity bound, for every layout and model: never loosened.
+LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
+
+
+def parity_errors(got: dict, ref: Reference, steps: slice = slice(None)) -> tuple[float, float]:
+    """A run's (max relative loss error over ``steps`` of the reference, max absolute error over every element of
+    every parameter). The run must have trained exactly those steps."""
+    losses = ref.losses[steps]
+    assert len(got["losses"]) == len(losses) > 0, (len(got["losses"]), len(losses))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], losses, strict=True))
+    params = got["params"]
+    err = max((params[k if k in params else f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
+    return rel, err

@@ -14,9 +14,8 @@ import json
 import pytest
 import torch
 from conftest import WORKERS, torchrun
-from parity_lib import reference_run
+from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
-LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 TP2, PP2 = {"tensor_parallel": 2}, {"pipeline_parallel": 2}
 LAYOUTS = {"single": (1, {}), "tp2": (2, TP2), "pp2": (2, PP2)}
 # Stops after the epoch whose last logged train_loss falls below 5.2: epoch 3 of 4 on the reference curve.
@@ -89,10 +88,8 @@ def test_end_of_epoch_checkpoint_resumes_with_the_next_epoch(fmt: str, path: str
     ref = reference_run(epochs=2)
     got = results[f"resume-{path}-{fmt}"]
     assert len(got["losses"]) == 12, len(got["losses"])  # it trained 0 steps before
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses[12:], strict=True))
-    assert rel <= LOSS_RTOL, rel
-    err = max((got["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
-    assert err <= PARAM_ATOL, err
+    rel, err = parity_errors(got, ref, slice(12, 24))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
     # and it saw the second epoch's samples, every one of them
     seen = {i for facts in got["ranks"] for step in facts["seen"] for i in step}
     assert seen == set(range(96))
@@ -104,6 +101,5 @@ def test_end_of_epoch_resume_of_a_third_party_model(results) -> None:
     ref = third_party.reference_run("hf_qwen3", epochs=2)
     got = results["resume-epoch-end-qwen3"]
     assert len(got["losses"]) == 12, len(got["losses"])
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses[12:], strict=True))
-    err = max((got["params"][k] - v).abs().max().item() for k, v in ref.params.items())
+    rel, err = parity_errors(got, ref, slice(12, 24))
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)

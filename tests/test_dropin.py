@@ -15,13 +15,23 @@ import json
 import pytest
 import torch
 from conftest import WORKERS, torchrun
-from parity_lib import ADAMW, CFG, CLIP, SEED, TokenDataset, lm_loss, reference_run
+from parity_lib import (
+    ADAMW,
+    CFG,
+    CLIP,
+    LOSS_RTOL,
+    PARAM_ATOL,
+    SEED,
+    TokenDataset,
+    lm_loss,
+    parity_errors,
+    reference_run,
+)
 
 from cuboid.models import Llama
 
 third_party = pytest.importorskip("third_party")
 
-LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 TP2, PP2 = {"tensor_parallel": 2}, {"pipeline_parallel": 2}
 
 # name -> (spec, reference family, which steps of the 2-epoch reference it must follow)
@@ -78,16 +88,9 @@ def references() -> dict[str, object]:
     return {"llama": reference_run(epochs=2), "hf_qwen3": third_party.reference_run("hf_qwen3", epochs=2)}
 
 
-def _check(got: dict, ref, steps: slice, params: bool = True) -> tuple[float, float]:
-    losses = ref.losses[steps]
-    assert len(got["losses"]) == len(losses), (len(got["losses"]), len(losses))
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], losses, strict=True))
-    assert rel <= LOSS_RTOL, rel
-    err = 0.0
-    if params:
-        err = max((got["params"][k if k.startswith("model.") else f"model.{k}"] - v).abs().max().item()
-                  for k, v in ref.params.items())  # fmt: skip
-        assert err <= PARAM_ATOL, err
+def _check(got: dict, ref, steps: slice) -> tuple[float, float]:
+    rel, err = parity_errors(got, ref, steps)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
     return rel, err
 
 
