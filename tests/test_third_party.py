@@ -27,6 +27,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "hf_llama-tp2": (2, {"model": "hf_llama", "strategy": TP2}),
     "hf_qwen3-tp2": (2, {"model": "hf_qwen3", "strategy": TP2}),
     "hf_qwen3-dp2": (2, {"model": "hf_qwen3", "strategy": {}}),
+    # the replicated_with_grad_allreduce norms' forward hooks under recompute
+    "hf_qwen3-tp2-ac_full": (2, {"model": "hf_qwen3", "strategy": {**TP2, "activation_checkpointing": "full"}}),
     "hf_vit-dp2": (2, {"model": "hf_vit", "strategy": {}}),
     "hf_qwen3-dp2xtp2": (4, {"model": "hf_qwen3", "strategy": TP2}),
     "hf_vit-dp2xtp2": (4, {"model": "hf_vit", "strategy": {**TP2, "tensor_parallel_plan": third_party.VIT_PLAN}}),
