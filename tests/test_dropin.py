@@ -144,3 +144,33 @@ def test_without_the_optimizer_state_the_curve_would_differ(results, references)
     tokens = torch.stack([data[i]["tokens"] for i in perm[16:24]])
     fresh = lm_loss(model(tokens[:, :-1]), tokens).item()
     assert abs(fresh - ref.losses[14]) / ref.losses[14] > 100 * LOSS_RTOL, (fresh, ref.losses[14])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("cuboid-tp2-from-ddp", "ddp"),
+        ("cuboid-pp2-from-ddp", "ddp"),
+        ("cuboid-pp2-from-model_parallel-full", "model_parallel-full"),
+        ("cuboid-tp2-qwen3-from-ddp", "ddp-qwen3"),
+    ],
+)
+def test_resumed_state_is_exactly_what_the_lightning_file_holds(name: str, source: str, results, tmp_path_factory):
+    """Right after loading, every weight and every AdamW tensor equals the file's, bit for bit (positions mapped to
+    names by the optimizer's groups; under pp2 each rank held half of them)."""
+    path = next(tmp_path_factory.getbasetemp().glob(f"dropin*/{source}.ckpt"))
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    loaded = results[name]["loaded"]
+    names = [n for n in saved["state_dict"] if n in results[name]["params"]]
+    assert names == list(results[name]["params"])  # the model's parameters, in the model's order
+    for n in names:
+        assert torch.equal(loaded[n], saved["state_dict"][n]), n
+    osd = saved["optimizer_states"][0]
+    assert [g["params"] for g in osd["param_groups"]] == [list(range(len(names)))]
+    checked = 0
+    for pos, entry in osd["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(loaded[f"state.{names[pos]}.{key}"], value), (names[pos], key)
+            checked += 1
+    assert checked == 3 * len(names)  # step, exp_avg, exp_avg_sq of every parameter

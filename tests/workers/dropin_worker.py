@@ -65,8 +65,28 @@ class ByHand(LlamaModule):
 
 
 class Losses(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, capture_loaded: bool) -> None:
         self.losses: list[float] = []
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.capture_loaded = capture_loaded
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """The full weights and AdamW state as resumed (before any step), by name: gathered to every rank.
+
+        Only after a resume: on an optimizer without state, get_optimizer_state_dict initializes it with a
+        zero-lr step, which advances AdamW's step counter (and so the run)."""
+        if not self.capture_loaded:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opt = trainer.optimizers[0]
+        osd = get_optimizer_state_dict(pl_module, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+        mine = {n: full(p) for n, p in pl_module.named_parameters()}
+        mine.update({k: full(v) for k, v in osd.items() if k.startswith("state.") and torch.is_tensor(v)})
+        shares: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, mine)  # pipeline stages hold different parameters
+        self.loaded = {k: v for share in shares for k, v in share.items()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
@@ -98,7 +118,7 @@ def run(spec: dict, out_dir: Path) -> None:
     else:
         module = ByHand() if family == "by_hand" else LlamaModule()
         dataset, clip = TokenDataset(), CLIP[1]
-    losses = Losses()
+    losses = Losses(capture_loaded=bool(spec.get("resume_from")))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -121,7 +141,12 @@ def run(spec: dict, out_dir: Path) -> None:
     if dist.get_rank() == 0:
         params = {k: v for share in shares for k, v in share.items()}
         torch.save(
-            {"losses": losses.losses, "params": params, "strategy": type(trainer.strategy).__name__},
+            {
+                "losses": losses.losses,
+                "params": params,
+                "loaded": losses.loaded if spec.get("resume_from") else None,
+                "strategy": type(trainer.strategy).__name__,
+            },
             out_dir / f"{spec['name']}.pt",
         )
     dist.barrier()
