@@ -152,8 +152,9 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
         )
         if logger and type(logger).__name__ == "WandbLogger":
             run_dir = Path(logger.experiment.dir).parent
+            offline = logger.experiment.offline
             logger.experiment.finish()
-            if logger._offline:
+            if offline:
                 print(f"W&B offline run saved in {run_dir}; upload it with: wandb sync {run_dir}")
 
 

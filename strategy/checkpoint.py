@@ -260,20 +260,20 @@ def _same_world(meta: dict[str, Any]) -> bool:
 
 def _collect_rng_states() -> dict[str, Any]:
     """This rank's RNG states (torch, CUDA, numpy, random) as tensors and plain values (weights-only loadable)."""
-    from lightning.fabric.utilities.seed import _collect_rng_states as collect
+    from cuboid.compat import collect_rng_states
 
-    states = collect(include_cuda=torch.cuda.is_available())
+    states = collect_rng_states(include_cuda=torch.cuda.is_available())
     name, keys, pos, has_gauss, cached = states["numpy"]
     states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
     return states
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:
-    from lightning.fabric.utilities.seed import _set_rng_states as restore
+    from cuboid.compat import set_rng_states
 
     name, keys, pos, has_gauss, cached = states["numpy"]
     states["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-    restore(states)
+    set_rng_states(states)
 
 
 class SkipFirstBatches:
@@ -292,9 +292,9 @@ class SkipFirstBatches:
         if skip:
             # Lightning creates the iterator before it sets the sampler's epoch: set it, or a resumed
             # epoch > 0 would be shuffled like epoch 0.
-            from lightning.fabric.utilities.data import _set_sampler_epoch
+            from cuboid.compat import set_sampler_epoch
 
-            _set_sampler_epoch(self._loader, self._epoch)
+            set_sampler_epoch(self._loader, self._epoch)
         iterator = iter(self._loader)
         for _ in range(skip):
             next(iterator, None)

@@ -250,8 +250,6 @@ class _MappedReader(StorageReader):
         return Metadata(state_dict_metadata=entries)
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         for item in plan.items:
             value = self.flat[item.storage_index.fqn]
             if item.type == LoadItemType.BYTE_IO:
@@ -260,7 +258,9 @@ class _MappedReader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(item, buf)
                 continue
-            source = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+            source = value
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                source = source.narrow(dim, offset, length)
             target = planner.resolve_tensor(item).detach()
             target.copy_(source)
             planner.commit_tensor(item, target)

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from cuboid import checkpoint as ckpt
-from cuboid import checkpoint_full
+from cuboid import checkpoint_full, compat
 
 CHECKPOINT_FORMATS = ("sharded", "full")
+_Path = str | os.PathLike
 
 
 class CheckpointMixin:
@@ -39,19 +40,24 @@ class CheckpointMixin:
     _resume_skip: int
     _param_order: list[str] | None  # the model's parameter names before a pipeline split (None without one)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the model is written shard by shard in save_checkpoint
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # written shard by shard in save_checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in load_checkpoint
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in load_checkpoint
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
@@ -100,7 +106,8 @@ class CheckpointMixin:
             self._pending_save.join()
             self._pending_save = None
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         ckpt.check_loadable(path, allow_file=True)
@@ -114,6 +121,7 @@ class CheckpointMixin:
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
         return meta
 
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -124,7 +132,8 @@ class CheckpointMixin:
             rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
         return dataloader
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    @override
+    def remove_checkpoint(self, filepath: _Path) -> None:
         # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
         # and never while a `last` link still points to it (it is deleted once the link has moved).
         self.wait_for_checkpoint()
@@ -141,14 +150,9 @@ class CheckpointMixin:
 
         for callback in callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
-                if not callable(getattr(type(callback), "_link_checkpoint", None)):
-                    raise RuntimeError(
-                        "This Lightning version's ModelCheckpoint has no _link_checkpoint; Cuboid cannot make "
-                        "save_last='link' safe. Use save_last=True (an atomic copy) instead."
-                    )
-                callback._link_checkpoint = self.link_checkpoint  # type: ignore[method-assign]
+                compat.route_link_checkpoint(callback, self.link_checkpoint)
 
-    def link_checkpoint(self, trainer: Any, filepath: _PATH, linkpath: _PATH) -> None:
+    def link_checkpoint(self, trainer: Any, filepath: _Path, linkpath: _Path) -> None:
         """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
         self.wait_for_checkpoint()
         target, link = Path(filepath), Path(linkpath)

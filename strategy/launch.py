@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
+from cuboid.compat import SubprocessScriptLauncher, basic_subprocess_cmd
 from cuboid.layout import LayoutError
 
 _SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -120,9 +120,10 @@ def _hydra_job_command(local_rank: int) -> tuple[Sequence[str], str] | None:
     return command, get_original_cwd()
 
 
-class CuboidLauncher(_SubprocessScriptLauncher):
+class CuboidLauncher(SubprocessScriptLauncher):
     """Lightning's subprocess launcher, but each child runs exactly the current Hydra job."""
 
+    @override
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
         self.procs = []
@@ -140,7 +141,7 @@ class CuboidLauncher(_SubprocessScriptLauncher):
             if hydra_job is not None:
                 command, cwd = hydra_job
             else:
-                command, cwd = _basic_subprocess_cmd(), None
+                command, cwd = basic_subprocess_cmd(), None
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
 
 

@@ -13,6 +13,8 @@ from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cuboid.compat import flatten_mesh
+
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -88,9 +90,9 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp).
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
-    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
-    mesh["tp"]._flatten("tensor_parallel")
+    dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    flatten_mesh(mesh["dp_replicate", "dp_shard"], "data_parallel")
+    flatten_mesh(mesh["tp"], "tensor_parallel")
     return mesh, dp_mesh
 
 

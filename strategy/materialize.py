@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from cuboid.compat import module_apply
+
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
@@ -42,7 +44,7 @@ def meta_names(module: nn.Module) -> set[str]:
 def to_device_except_meta(module: nn.Module, device: torch.device) -> None:
     """Move every real tensor to ``device`` (parameters, buffers, and what modules keep through ``_apply``, such
     as torchmetrics states); meta tensors stay on meta. ``nn.Module.to`` would fail on the meta ones."""
-    module._apply(lambda t: t if t.is_meta else t.to(device))
+    module_apply(module, lambda t: t if t.is_meta else t.to(device))
 
 
 def materialize_meta(module: nn.Module, device: torch.device) -> None:
@@ -52,7 +54,7 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
     Goes through ``nn.Module._apply``, as ``to_empty`` does, so that FSDP2 (which re-registers its sharded
     parameters) and torchmetrics (which moves its states and defaults) see the change.
     """
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
+from cuboid.compat import should_accumulate
 from cuboid.grad_norm import global_grad_norm
 
 # Dense bf16 peak FLOP/s per device (shared/ANCHORS.md); MFU is reported only where known.
@@ -51,6 +53,7 @@ class CuboidMonitor(L.Callback):
         self._seq_len = 0
         self._pending_norm: torch.Tensor | None = None  # measured before the step when not clipping
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -61,6 +64,7 @@ class CuboidMonitor(L.Callback):
             self._tokens += count(batch)
             self._seq_len = batch.shape[1] - 1
 
+    @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if not self._log_now(trainer):
             return
@@ -69,10 +73,11 @@ class CuboidMonitor(L.Callback):
             flattened = getattr(trainer.precision_plugin, "flattened_dims", {})
             self._pending_norm = global_grad_norm(pl_module.parameters(), mesh, flattened)
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.fit_loop._should_accumulate() and self._log_now(trainer, after_step=True):
+        if not should_accumulate(trainer) and self._log_now(trainer, after_step=True):
             self._log(trainer, pl_module)
 
     def _log_now(self, trainer: L.Trainer, after_step: bool = False) -> bool:

@@ -19,18 +19,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from cuboid.compat import SDPA_OPS, checkpoint_module, reads_kv_cache_only
+
 ACMode = Literal["full", "selective"]
 
 # Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest
 # (norms, activations, elementwise) are recomputed in backward.
-_SAC_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+_SAC_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, *SDPA_OPS}
 
 
 def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -63,7 +58,7 @@ def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     changed = dict(kwargs)
     if changed.get("use_cache"):
         changed["use_cache"] = False
-    if not getattr(module, "_can_checkpoint_with_cache", False):
+    if not reads_kv_cache_only(module):
         for name in _CACHE_KWARGS:
             if changed.get(name) is not None:
                 changed[name] = None
@@ -79,11 +74,9 @@ def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> No
     """
     if mode is None:
         return
-    from torch.distributed._composable import checkpoint
-
     kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
     for _, block in blocks:
-        checkpoint(block, **kwargs)
+        checkpoint_module(block, **kwargs)
         block.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True, prepend=True)
 
 

@@ -14,7 +14,6 @@ the loss returned to Lightning is the microbatch mean, the same on every rank.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
+
+from cuboid.compat import set_metric_update_count, shallow_module_copy
 
 SCHEDULES: dict[str, type] = {
     "GPipe": S.ScheduleGPipe,
@@ -130,14 +131,6 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual)]
 
 
-def _shallow(module: nn.Module) -> nn.Module:
-    clone = copy.copy(module)
-    clone._modules = dict(module._modules)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    return clone
-
-
 def build_stages(
     owner: nn.Module, split: PipelineSplit, my_stages: list[int], blocks_per_stage: list[list[int]]
 ) -> tuple[nn.Module, list[nn.Module]]:
@@ -151,28 +144,27 @@ def build_stages(
     keys = split.block_keys
     stage_modules = []
     for sid in my_stages:
-        stage = _shallow(owner)
-        stage._modules[split.container] = nn.ModuleDict(
-            {keys[i]: owner._modules[split.container][keys[i]] for i in blocks_per_stage[sid]}
-        )
+        stage = shallow_module_copy(owner)
+        blocks = owner.get_submodule(split.container)
+        setattr(stage, split.container, nn.ModuleDict({keys[i]: blocks[keys[i]] for i in blocks_per_stage[sid]}))
         for name in split.pre:
             if sid != 0:
-                stage._modules[name] = None
+                setattr(stage, name, None)
         for name in split.post:
             if sid != n_stages - 1:
-                stage._modules[name] = None
+                setattr(stage, name, None)
         stage_modules.append(stage)
     owned = {keys[i] for sid in my_stages for i in blocks_per_stage[sid]}
-    container = owner._modules[split.container]
+    container = owner.get_submodule(split.container)
     for key in list(container.keys()):
         if key not in owned:
             del container[key]
     if 0 not in my_stages:
         for name in split.pre:
-            owner._modules[name] = None
+            setattr(owner, name, None)
     if n_stages - 1 not in my_stages:
         for name in split.post:
-            owner._modules[name] = None
+            setattr(owner, name, None)
     return owner, stage_modules
 
 
@@ -278,12 +270,12 @@ class PipelineRunner:
         real = getattr(lm, self.owner_name)
 
         def call_user(mb: Any, standin: nn.Module, recorder: _LogRecorder) -> Any:
-            lm._modules[self.owner_name] = standin
+            setattr(lm, self.owner_name, standin)
             lm.__dict__["log"], lm.__dict__["log_dict"] = recorder.log, recorder.log_dict
             try:
                 return user_step(mb, batch_idx)
             finally:
-                lm._modules[self.owner_name] = real
+                setattr(lm, self.owner_name, real)
                 del lm.__dict__["log"], lm.__dict__["log_dict"]
 
         def step_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -351,7 +343,7 @@ def sync_metric_states(lm: nn.Module, src: int, group: dist.ProcessGroup) -> Non
     except ImportError:
         return
     for metric in (m for m in lm.modules() if isinstance(m, Metric)):
-        for name in metric._defaults:
+        for name in metric.metric_state:
             value = getattr(metric, name)
             if isinstance(value, torch.Tensor):
                 dist.broadcast(value, src=src, group=group)
@@ -359,7 +351,6 @@ def sync_metric_states(lm: nn.Module, src: int, group: dist.ProcessGroup) -> Non
                 box = [value]
                 dist.broadcast_object_list(box, src=src, group=group)
                 setattr(metric, name, box[0])
-        box = [metric._update_count]
+        box = [metric.update_count]
         dist.broadcast_object_list(box, src=src, group=group)
-        metric._update_count = box[0]
-        metric._computed = None
+        set_metric_update_count(metric, box[0])

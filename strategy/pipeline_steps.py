@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from typing_extensions import override
 
 from cuboid import pipeline
 from cuboid.parallelize import parallelize
@@ -45,7 +46,9 @@ class PipelineStepsMixin:
         for stage in stage_modules:
             names = {n for n, _ in stage.named_modules()}
             relative = {n[len(prefix) :]: v for n, v in matched.items() if n[len(prefix) :] in names}
-            stage_blocks = [(f"{prefix}{split.container}.{k}", b) for k, b in stage._modules[split.container].items()]
+            stage_blocks = [
+                (f"{prefix}{split.container}.{k}", b) for k, b in stage.get_submodule(split.container).items()
+            ]
             parallelize([(stage, stage_blocks)], tp_root=stage, tp_plan=parallel_plan(relative), **common)
         self._pipeline_owner = split.owner
         return list(zip(my_stages, stage_modules, strict=True))
@@ -69,6 +72,7 @@ class PipelineStepsMixin:
             dist.get_global_rank(pp_mesh.get_group(), last_pp_rank),
         )
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pp > 1 the strategy owns the step: the schedule runs forward and backward of every
         microbatch; the loss returned (the microbatch mean) is the same on every rank."""
@@ -95,6 +99,7 @@ class PipelineStepsMixin:
         self._after_pipelined_step()
         return torch.tensor(float("nan") if loss is None else loss, device=self.root_device)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.layout.pp == 1:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -104,12 +109,15 @@ class PipelineStepsMixin:
         self._stashed_grads = []
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("validation_step", args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.layout.pp > 1:
             raise NotImplementedError(
@@ -136,6 +144,7 @@ class PipelineStepsMixin:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         return batch, batch_idx
 
+    @override
     def on_train_start(self) -> None:
         """Refuse, before the first step, an epoch whose last batch the microbatches cannot split."""
         if self.layout.pp == 1:

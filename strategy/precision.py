@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from cuboid.grad_norm import clip_grad_norm_
 
@@ -55,10 +56,12 @@ class CuboidPrecision(Precision):
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
 
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
 
     @contextmanager
+    @override
     def module_init_context(self) -> Generator[None, None, None]:
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.param_dtype)
@@ -67,6 +70,7 @@ class CuboidPrecision(Precision):
         finally:
             torch.set_default_dtype(default)
 
+    @override
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":
             return data
@@ -74,6 +78,7 @@ class CuboidPrecision(Precision):
 
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.last_grad_norm = clip_grad_norm_(params, float(clip_val), self.device_mesh, self.flattened_dims)

@@ -12,14 +12,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -28,8 +20,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
 
-from cuboid import materialize, pipeline, plans
+from cuboid import compat, materialize, pipeline, plans
 from cuboid.checkpoint_glue import CHECKPOINT_FORMATS, CheckpointMixin
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import Layout, build_device_mesh, check_reshard_after_forward, fsdp_mesh
@@ -213,6 +206,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         return self._dp_mesh
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -226,6 +220,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split data over the data-parallel ranks only: tp (and pp) peers get the same batch."""
         dp_mesh = self.dp_mesh
@@ -236,14 +231,17 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
     @property
+    @override
     def precision_plugin(self) -> CuboidPrecision:
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, CuboidPrecision) else CuboidPrecision()
@@ -256,6 +254,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         else:
             self._precision_plugin = CuboidPrecision(str(plugin.precision))
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         # Check the layout in the launching process, before any child process or process group exists.
@@ -271,25 +270,26 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CuboidLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         layout = self.layout.resolve(self.world_size)
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or compat.default_process_group_backend(
             self.root_device
         )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         destroy_process_group_at_exit()
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
         self.precision_plugin.device_mesh = self._device_mesh
         self.precision_plugin.flattened_dims = _FLATTENED
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
 
     def set_world_ranks(self) -> None:
@@ -299,6 +299,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ------------------------------------------------------------------ model setup
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
@@ -308,17 +309,17 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         check_no_fsdp1(lm)
         self.guard_checkpoint_callbacks(trainer.callbacks)
         if is_parallelized_by_user(lm):
-            _materialize_distributed_module(lm, self.root_device)
+            compat.materialize_distributed_module(lm, self.root_device)
         else:
             self._parallelize(lm)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
         mesh = self.device_mesh
@@ -374,33 +375,38 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             )
         )
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if not self.cpu_offload:
             self.model.to(self.root_device)
 
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``empty_init=True`` builds on the meta device; Cuboid materializes shards in ``setup``."""
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses):
         tp and pp peers hold the same values and must not be counted again."""
@@ -408,20 +414,22 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             return tensor
         if group is None and self._device_mesh is not None:
             group = self.dp_group
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree on a decision over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...).
 
         Lightning's default sums the flag with :meth:`reduce`, which here covers the data-parallel
         group only, and compares it with the world size: under tp or pp the two never match.
         """
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return decision
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()
         assert self.cluster_environment is not None
@@ -431,6 +439,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         self.accelerator.teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"

@@ -44,6 +44,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from cuboid.compat import swap_parameter
+
 STYLES: dict[str, str] = {
     "colwise": "shard the output features (Linear weight dim 0); output stays sharded",
     "rowwise": "shard the input features (Linear weight dim 1); input sharded, output all-reduced (replicated)",
@@ -165,15 +167,14 @@ class LocalParams(ParallelStyle):
         grad_placements = self.grad_placements
 
         def to_local(mod: nn.Module, args: Any) -> None:
-            # nn.Module refuses a plain tensor under a parameter's name through setattr: swap in _parameters,
-            # as FSDP2 itself does when it installs unsharded parameters.
-            for name, param in list(mod._parameters.items()):
+            for name, param in list(mod.named_parameters(recurse=False)):
                 if isinstance(param, DTensor):
                     originals[name] = param
-                    mod._parameters[name] = param.to_local(grad_placements=grad_placements)  # type: ignore[assignment]
+                    swap_parameter(mod, name, param.to_local(grad_placements=grad_placements))
 
         def restore(mod: nn.Module, args: Any, output: Any) -> Any:
-            mod._parameters.update(originals)
+            for name, param in originals.items():
+                swap_parameter(mod, name, param)
             originals.clear()
             return output
 

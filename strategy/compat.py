@@ -1,0 +1,174 @@
+"""The one door to other libraries' internals.
+
+Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
+or touched here, and nowhere else, each with what it is for and why no public API serves. Checked on:
+lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
+``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
+too), so an upgrade that changes one fails there, not silently in users' runs.
+
+Hooks that Lightning itself calls by private names are part of writing a Strategy and are not listed
+as uses: ``Strategy._configure_launcher`` / ``_launcher`` and ``_precision_plugin`` (overridden and set
+in strategy.py as Lightning's own strategies do), and torch's ``ParallelStyle._apply`` (the method a
+custom tensor-parallel style implements, in tp_styles.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The child-process command and the script launcher Cuboid's sweep-safe launcher extends (no public launcher API).
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd as basic_subprocess_cmd  # noqa: F401
+
+# --- lightning -----------------------------------------------------------------------------------------------
+# Creating the default process group from a ClusterEnvironment (MASTER_ADDR/PORT, rank, world size, and the
+# NCCL teardown at exit), exactly as Lightning's own strategies do.
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
+
+# All-reduce used by Strategy.reduce / self.log(sync_dist=True): kept identical to Lightning's semantics
+# (mean on gloo as sum / size, in place).
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
+
+# Materializing a configure_model that parallelized by hand on the meta device (reset_parameters per module),
+# as ModelParallelStrategy does.
+from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module  # noqa: F401
+
+# Per-rank RNG states in checkpoints, in the layout Lightning's own checkpoints use.
+from lightning.fabric.utilities.seed import _collect_rng_states as collect_rng_states  # noqa: F401
+from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  # noqa: F401
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+from torch import nn
+
+
+def distributed_is_initialized() -> bool:
+    """Public torch for Lightning's ``_distributed_is_initialized``."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo otherwise (what Lightning's private helper chooses for these two)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move optimizer state to ``device`` (``step`` stays where the optimizer keeps it), as Lightning's private
+    ``_optimizers_to_device`` does."""
+    for opt in optimizers:
+        for state in opt.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
+
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` on a DataLoader's sampler (and its batch sampler's), once each: what Lightning does at each
+    epoch start (its ``_set_sampler_epoch``)."""
+    seen: dict[int, Any] = {}
+    for sampler in (
+        getattr(dataloader, "sampler", None),
+        getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
+    ):
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            seen[id(sampler)] = sampler
+    for sampler in seen.values():
+        sampler.set_epoch(epoch)
+
+
+def set_module_device_mesh(lightning_module: Any, mesh: Any) -> None:
+    """``LightningModule.device_mesh`` reads ``_device_mesh``; ModelParallelStrategy sets it the same way."""
+    lightning_module._device_mesh = mesh
+
+
+def route_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) -> None:
+    """Make ``ModelCheckpoint(save_last="link")`` update ``last`` through ``link(trainer, filepath, linkpath)``.
+
+    ModelCheckpoint has no public hook for how it links ``last``; its ``_link_checkpoint`` (deletes, then
+    symlinks) is replaced on the callback instance."""
+    if not callable(getattr(type(callback), "_link_checkpoint", None)):
+        raise RuntimeError(
+            "This Lightning version's ModelCheckpoint has no _link_checkpoint; Cuboid cannot make save_last='link' "
+            "safe. Use save_last=True (an atomic copy) instead."
+        )
+    callback._link_checkpoint = link
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current batch only accumulates gradients (no optimizer step follows): the fit loop's own answer,
+    which also knows the epoch's last batch."""
+    return trainer.fit_loop._should_accumulate()
+
+
+# --- torch -----------------------------------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
+    twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name
+    on the root mesh "will be deprecated": ``mesh["data_parallel"]`` for ModelParallelStrategy-style modules
+    depends on it (pinned in tests/test_compat.py)."""
+    return mesh._flatten(name)
+
+
+def checkpoint_module(module: nn.Module, **kwargs: Any) -> None:
+    """Activation checkpointing of ``module`` in place, parameter names unchanged. torch's public route changes
+    names (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module``) or works on functions; the composable API
+    keeps FQNs, so checkpoints read the same with or without checkpointing."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module, **kwargs)
+
+
+def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply ``fn`` to every tensor a module keeps, through ``nn.Module._apply``: what ``to`` and ``to_empty`` use,
+    and what FSDP2 (re-registers its sharded parameters) and torchmetrics (moves states and defaults) override.
+    Needed to materialize only some tensors (the meta ones)."""
+    module._apply(fn)
+
+
+def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put a plain tensor (e.g. a DTensor's local shard) where a parameter is registered, for one forward.
+    ``setattr`` refuses a non-Parameter there; FSDP2 installs its unsharded parameters the same way."""
+    module._parameters[name] = value  # type: ignore[assignment]
+
+
+def shallow_module_copy(module: nn.Module) -> nn.Module:
+    """A module sharing ``module``'s children, parameters and buffers, whose own child slots can be changed without
+    touching the original (pipeline stages are such views)."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+# Attention ops whose outputs selective activation checkpointing keeps (aten overloads, named as torch names them).
+SDPA_OPS = (
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+# --- torchmetrics ----------------------------------------------------------------------------------------------
+
+
+def set_metric_update_count(metric: Any, count: int) -> None:
+    """Give a metric whose states were copied in from another rank the update count that came with them, and
+    drop its cached result, so ``compute()`` neither warns nor returns a stale value. ``Metric.update_count`` is
+    read-only; there is no public way to clear ``_computed``."""
+    metric._update_count = count
+    metric._computed = None
+
+
+# --- transformers ----------------------------------------------------------------------------------------------
+
+
+def reads_kv_cache_only(module: nn.Module) -> bool:
+    """transformers' flag for a decoder layer that only reads its KV cache, which may therefore keep it under
+    gradient checkpointing (``GradientCheckpointingLayer._can_checkpoint_with_cache``)."""
+    return bool(getattr(module, "_can_checkpoint_with_cache", False))

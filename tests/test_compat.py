@@ -1,0 +1,228 @@
+"""Pins of the internals Cuboid uses through cuboid.compat, one process each, no launcher.
+
+Each test states the behaviour Cuboid relies on. When a Lightning, torch, torchmetrics or transformers
+upgrade changes one, the failure is here, with its name, instead of in users' runs. CI runs this file
+at the floor versions too.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cuboid import compat
+
+
+class _Recorder(L.LightningModule):
+    """Records the order of Lightning's hooks around one optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.calls: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        self.calls.append("training_step")
+        return self.layer(batch[0]).sum()
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.calls.append("optimizer_zero_grad")
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def backward(self, loss, *args, **kwargs):
+        self.calls.append("backward")
+        super().backward(loss, *args, **kwargs)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(tmp_path, **kwargs) -> L.Trainer:
+    defaults = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False}
+    return L.Trainer(default_root_dir=tmp_path, enable_model_summary=False, **{**defaults, **kwargs})
+
+
+def _data(n: int = 4) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 2)), batch_size=1)
+
+
+def test_automatic_optimization_runs_step_then_zero_grad_then_backward(tmp_path) -> None:
+    """Pipelining runs forward and backward inside training_step, so Cuboid zeroes gradients before the schedule
+    and keeps them across Lightning's zero_grad: that relies on exactly this order."""
+    module = _Recorder()
+    _trainer(tmp_path, max_steps=1, enable_checkpointing=False).fit(module, _data())
+    assert module.calls == ["training_step", "optimizer_zero_grad", "backward"]
+
+
+def test_model_checkpoint_links_last_through_the_routed_function(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    links: list[tuple[str, str]] = []
+    callback = ModelCheckpoint(dirpath=tmp_path / "ck", save_last="link")
+    compat.route_link_checkpoint(callback, lambda trainer, filepath, linkpath: links.append((filepath, linkpath)))
+    _trainer(tmp_path, max_steps=2, callbacks=[callback]).fit(_Recorder(), _data(2))
+    assert links and links[-1][1].endswith("last.ckpt") and links[-1][0].endswith("step=2.ckpt"), links
+
+
+def test_should_accumulate_is_true_exactly_on_batches_without_a_step(tmp_path) -> None:
+    seen: list[bool] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            seen.append(compat.should_accumulate(trainer))
+
+    trainer = _trainer(
+        tmp_path, max_epochs=1, accumulate_grad_batches=2, callbacks=[Watch()], enable_checkpointing=False
+    )
+    trainer.fit(_Recorder(), _data(5))
+    assert seen == [True, False, True, False, False]  # the epoch's last batch steps too
+    assert trainer.global_step == 3
+
+
+def test_lightning_module_device_mesh_reads_what_the_strategy_sets() -> None:
+    module, mesh = _Recorder(), object()
+    compat.set_module_device_mesh(module, mesh)
+    assert module.device_mesh is mesh
+
+
+def test_rng_states_round_trip_with_the_keys_checkpoints_store() -> None:
+    np = pytest.importorskip("numpy")
+    states = compat.collect_rng_states(include_cuda=False)
+    assert {"torch", "numpy", "python"} <= set(states)
+    first = (torch.rand(3), np.random.rand(), random.random())
+    compat.set_rng_states(states)
+    again = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+
+
+def test_meta_module_parallelized_by_hand_materializes_with_its_own_init() -> None:
+    with torch.device("meta"):
+        layer = nn.Linear(4, 4)
+    compat.materialize_distributed_module(layer, torch.device("cpu"))
+    assert not layer.weight.is_meta and torch.isfinite(layer.weight).all() and layer.weight.abs().sum() > 0
+
+
+def test_module_apply_reaches_metric_states_and_fsdp_style_overrides() -> None:
+    """materialize_meta goes through _apply: a torchmetrics metric beside a meta layer keeps its state."""
+    from torchmetrics import MeanMetric
+
+    from cuboid.materialize import materialize_meta
+
+    holder = nn.Module()
+    holder.metric = MeanMetric()
+    holder.metric.update(torch.tensor(4.0))
+    with torch.device("meta"):
+        holder.layer = nn.Linear(2, 2)
+    materialize_meta(holder, torch.device("cpu"))
+    assert not holder.layer.weight.is_meta
+    assert holder.metric.compute() == 4.0
+
+
+def test_a_metric_given_copied_states_computes_them() -> None:
+    """Under pipeline parallelism the last stage's metric states are copied to the other pp ranks."""
+    from torchmetrics import MeanMetric
+
+    source, target = MeanMetric(), MeanMetric()
+    source.update(torch.tensor([2.0, 4.0]))
+    for name, value in source.metric_state.items():
+        setattr(target, name, value.clone())
+    compat.set_metric_update_count(target, source.update_count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compute() before update() would warn
+        assert target.compute() == 3.0
+    assert target.update_count == 1
+
+
+def test_shallow_module_copy_changes_its_own_children_only() -> None:
+    original = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    view = compat.shallow_module_copy(original)
+    setattr(view, "1", None)
+    assert original[1] is not None and view[0] is original[0]
+    assert view[0].weight is original[0].weight
+
+
+def test_swap_parameter_installs_a_plain_tensor_for_a_forward() -> None:
+    layer = nn.Linear(2, 1, bias=False)
+    weight = layer.weight
+    compat.swap_parameter(layer, "weight", torch.ones(1, 2))
+    assert layer(torch.ones(1, 2)).item() == 2.0
+    compat.swap_parameter(layer, "weight", weight)
+    assert layer.weight is weight
+
+
+def test_checkpointing_a_module_keeps_its_parameter_names() -> None:
+    block = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    names = [n for n, _ in block.named_parameters()]
+    compat.checkpoint_module(block)
+    assert [n for n, _ in block.named_parameters()] == names
+    block(torch.randn(3, 2, requires_grad=True)).sum().backward()
+    assert all(p.grad is not None for p in block.parameters())
+
+
+def test_transformers_layers_say_whether_they_only_read_their_cache() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
+    )
+    layer = transformers.LlamaForCausalLM(config).model.layers[0]
+    assert hasattr(type(layer), "_can_checkpoint_with_cache")
+    assert compat.reads_kv_cache_only(layer) is False  # it writes the cache: Cuboid drops it under checkpointing
+
+
+def test_launcher_parts_and_process_group_helpers(tmp_path, monkeypatch) -> None:
+    """The launcher Cuboid extends and the child command it builds; the default group, the all-reduce behind
+    Strategy.reduce, and mesh flattening, in a one-process gloo group."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    cmd = compat.basic_subprocess_cmd()
+    assert isinstance(cmd, list) and cmd[0] == sys.executable
+    launcher = compat.SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    assert launcher.is_interactive_compatible is False
+    assert compat.default_process_group_backend(torch.device("cpu")) == "gloo"
+    assert compat.default_process_group_backend(torch.device("cuda", 0)) == "nccl"
+
+    monkeypatch.setenv("MASTER_PORT", str(__import__("conftest").free_port()))
+    env = LightningEnvironment()
+    env.set_world_size(1)
+    env.set_global_rank(0)
+    assert not compat.distributed_is_initialized()
+    compat.init_dist_connection(env, "gloo")
+    try:
+        assert compat.distributed_is_initialized() and dist.get_world_size() == 1
+        value = torch.tensor([3.0])
+        assert compat.sync_ddp_if_available(value, None, reduce_op="mean").item() == 3.0
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+        compat.flatten_mesh(mesh["a", "b"], "ab")
+        assert mesh["ab"].size() == 1 and mesh["ab"].mesh_dim_names == ("ab",)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_optimizer_state_moves_but_step_stays() -> None:
+    layer = nn.Linear(2, 2)
+    opt = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    step = opt.state[layer.weight]["step"]
+    compat.optimizers_to_device([opt], torch.device("meta"))
+    assert opt.state[layer.weight]["exp_avg"].is_meta
+    assert opt.state[layer.weight]["step"] is step
+
+
+def test_set_sampler_epoch_reaches_a_distributed_sampler() -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(8))
+    loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=True))
+    compat.set_sampler_epoch(loader, 3)
+    assert loader.sampler.epoch == 3
