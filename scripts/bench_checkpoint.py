@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     mb = sum(t.numel() * t.element_size() for t in local.values()) / 2**20
     result: dict[str, float] = {"mb_per_rank": mb}
     result["sync_save_s"] = timed(lambda: trainer.save_checkpoint(root / "sync.ckpt"))
-    strategy.async_checkpoint = True
+    strategy.checkpointer.async_save = True
     blocked = {}
     result["async_total_s"] = timed(
         lambda: (
@@ -104,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     result["async_blocked_s"] = blocked["t"]
     result["load_s"] = timed(lambda: strategy.load_checkpoint(root / "sync.ckpt"))
-    strategy.async_checkpoint, strategy.checkpoint_format = False, "full"
+    strategy.checkpointer.async_save, strategy.checkpointer.format = False, "full"
     result["full_save_s"] = timed(lambda: trainer.save_checkpoint(root / "full.ckpt"))
     result["full_load_s"] = timed(lambda: strategy.load_checkpoint(root / "full.ckpt"))
     mine = root / f"torch-rank{dist.get_rank()}.pt"

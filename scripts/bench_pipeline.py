@@ -66,7 +66,7 @@ class ActionTimer(L.Callback):
         self.steps: list[tuple[float, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for stage in trainer.strategy._pipeline.stages:
+        for stage in trainer.strategy.pipelining.runner.stages:
             for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
                 self._wrap(stage, method, kind)
 

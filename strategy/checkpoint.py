@@ -85,8 +85,12 @@ def _check_keys(path: Path, stored: set[str], expected: dict[str, Any]) -> None:
         )
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_rank_zero() -> bool:
+    return rank() == 0
 
 
 def _barrier() -> None:
@@ -111,21 +115,21 @@ def save_sharded(
     deadlocked when they did).
     """
     tmp = path.with_name(f".{path.name}.tmp")
-    if _rank() == 0:
+    if rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
     state = state_dicts(module, optimizers)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(_collect_rng_states(), tmp / RNG_DIR / f"rank{_rank()}.pt")
-    if _rank() == 0:
+    torch.save(collect_rng(), tmp / RNG_DIR / f"rank{rank()}.pt")
+    if rank() == 0:
         torch.save(lightning_state, tmp / META_FILE)
     writer = storage_writer(tmp) if storage_writer else None
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
         _barrier()
-        _publish(tmp, path)
+        publish(tmp, path)
         _barrier()
         return None
     future = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
@@ -133,7 +137,7 @@ def save_sharded(
     def finish() -> None:
         future.result()
         dist.barrier(group=async_group)
-        _publish(tmp, path)
+        publish(tmp, path)
         dist.barrier(group=async_group)
 
     thread = threading.Thread(target=finish, name=f"cuboid-save-{path.name}", daemon=True)
@@ -141,16 +145,16 @@ def save_sharded(
     return thread
 
 
-def _publish(tmp: Path, path: Path) -> None:
+def publish(tmp: Path, path: Path) -> None:
     """Rank 0 moves the finished temporary directory (or file) to its real name, replacing an older one."""
-    if _rank() != 0:
+    if rank() != 0:
         return
     old = path.with_name(f".{path.name}.old")
     if path.exists() or path.is_symlink():
-        _remove(old)
+        remove_path(old)
         path.rename(old)
     tmp.rename(path)
-    _remove(old)
+    remove_path(old)
 
 
 def state_dicts(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
@@ -184,7 +188,7 @@ def load_state(
         set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     """Delete a checkpoint directory, file or link (a link only, never what it points to)."""
     if path.is_symlink() or path.is_file():
         path.unlink()
@@ -225,9 +229,9 @@ def load_sharded(
             raise CheckpointError(f"could not load {path} (a Lightning {key!r} checkpoint): {err}") from err
         return meta
     load_state(path, module, optimizers, strict, stored, checkpoint_id=path)
-    rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
-    if rng_file.is_file() and _same_world(meta):
-        _set_rng_states(torch.load(rng_file, map_location="cpu", weights_only=True))
+    rng_file = path / RNG_DIR / f"rank{rank()}.pt"
+    if rng_file.is_file() and same_world(meta):
+        restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
     return meta
 
 
@@ -253,12 +257,12 @@ def load_pickled(path: Path, weights_only: bool | None, mmap: bool = False) -> d
         raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
 
 
-def _same_world(meta: dict[str, Any]) -> bool:
+def same_world(meta: dict[str, Any]) -> bool:
     world = dist.get_world_size() if dist.is_initialized() else 1
     return meta.get("cuboid", {}).get("world_size") == world
 
 
-def _collect_rng_states() -> dict[str, Any]:
+def collect_rng() -> dict[str, Any]:
     """This rank's RNG states (torch, CUDA, numpy, random) as tensors and plain values (weights-only loadable)."""
     from cuboid.compat import collect_rng_states
 
@@ -268,7 +272,7 @@ def _collect_rng_states() -> dict[str, Any]:
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
+def restore_rng(states: dict[str, Any]) -> None:
     from cuboid.compat import set_rng_states
 
     name, keys, pos, has_gauss, cached = states["numpy"]
@@ -313,6 +317,41 @@ class SkipFirstBatches:
         pass
 
 
+class ShardedFormat:
+    """A DCP directory, every rank writing its own shards (scales to any model size)."""
+
+    needs_gloo_group = False  # only an async save needs its own group
+
+    def save(
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        lightning_state: dict[str, Any],
+        *,
+        mesh: Any,
+        group: dist.ProcessGroup | None,
+        background: bool,
+        model_order: Sequence[str] | None,
+        storage_writer: Callable[[Path], Any] | None,
+    ) -> threading.Thread | None:
+        return save_sharded(
+            path, module, optimizers, lightning_state, storage_writer, async_group=group if background else None
+        )
+
+    def load(
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        strict: bool,
+        weights_only: bool | None,
+        model_order: Sequence[str] | None,
+    ) -> dict[str, Any]:
+        return load_sharded(path, module, optimizers, strict=strict, weights_only=weights_only)
+
+
 def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The full model weights of a checkpoint (sharded or full), by original name, in one process.
 
@@ -338,59 +377,7 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
     return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m cuboid.checkpoint export CKPT OUT.safetensors [--dtype bf16]``"""
-    import argparse
+if __name__ == "__main__":  # `python -m cuboid.checkpoint export ...` (the CLI lives in cuboid.export)
+    from cuboid.export import main
 
-    parser = argparse.ArgumentParser(prog="python -m cuboid.checkpoint", description="Cuboid checkpoint tools.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    export = sub.add_parser("export", help="write a sharded checkpoint's model weights to one safetensors file")
-    export.add_argument("checkpoint")
-    export.add_argument("out")
-    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: as stored")
-    export.add_argument(
-        "--hf",
-        metavar="CONFIG",
-        default=None,
-        help="write a Hugging Face LlamaForCausalLM directory (OUT/model.safetensors + config.json) for the reference "
-        "Llama; CONFIG is a named size (debug, 150m, 1b, 8b, 70b) or a conf/model YAML file",
-    )
-    export.add_argument(
-        "--prefix", default="model.", help="where the Llama sits in the LightningModule (default: model.)"
-    )
-    args = parser.parse_args(argv)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
-    try:
-        weights = read_model_weights(args.checkpoint, dtype)
-    except CheckpointError as err:
-        raise SystemExit(f"cuboid.checkpoint: {err}") from None
-    from safetensors.torch import save_file
-
-    if args.hf is not None:
-        import json
-
-        from cuboid.models.llama import CONFIGS, LlamaConfig, to_hf_llama
-
-        if args.hf in CONFIGS:
-            cfg = CONFIGS[args.hf]
-        else:
-            from omegaconf import OmegaConf
-
-            fields = OmegaConf.to_container(OmegaConf.load(args.hf))
-            fields.pop("_target_", None)
-            cfg = LlamaConfig(**fields)
-        mine = {k[len(args.prefix) :]: v for k, v in weights.items() if k.startswith(args.prefix)}
-        weights, config = to_hf_llama(mine, cfg)
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(
-            json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
-        )
-        args.out = str(out_dir / "model.safetensors")
-    save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
-    total = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"wrote {len(weights)} tensors ({total / 2**20:.1f} MiB) to {args.out}")
-
-
-if __name__ == "__main__":
     main()

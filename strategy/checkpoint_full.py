@@ -45,13 +45,13 @@ from torch.optim import Optimizer
 from cuboid import checkpoint_lightning as lightning_format
 from cuboid.checkpoint import (
     CheckpointError,
-    _collect_rng_states,
-    _publish,
-    _rank,
-    _same_world,
-    _set_rng_states,
+    collect_rng,
     load_pickled,
     load_state,
+    publish,
+    rank,
+    restore_rng,
+    same_world,
     state_dicts,
 )
 
@@ -77,9 +77,9 @@ def save_full(
     """
     groups = lightning_format.optimizer_groups(module, optimizers, model_order)
     gathered = _gather_to_rank0(state_dicts(module, optimizers), mesh, group)
-    rng = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(_collect_rng_states(), rng, dst=0, group=group)
-    if _rank() != 0:
+    rng = [None] * dist.get_world_size() if rank() == 0 else None
+    dist.gather_object(collect_rng(), rng, dst=0, group=group)
+    if rank() != 0:
         return None
     assert gathered is not None
     payload = dict(lightning_state)
@@ -102,7 +102,7 @@ def save_full(
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        _publish(tmp, path)
+        publish(tmp, path)
 
     if not background:
         write()
@@ -134,10 +134,10 @@ def _gather_to_rank0(state: dict[str, Any], mesh: DeviceMesh, group: dist.Proces
             elif stage_lead:
                 mine[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
     leads = [int(r) for r in mesh.mesh.reshape(mesh.mesh.shape[0], -1)[:, 0].tolist()]
-    if _rank() in leads[1:]:
+    if rank() in leads[1:]:
         _send_share(share, group)
         return None
-    if _rank() != 0:
+    if rank() != 0:
         return None
     for lead in leads[1:]:
         for part, entries in _recv_share(lead, group).items():
@@ -224,9 +224,42 @@ def load_full(
     reader = _MappedReader(stored)
     load_state(path, module, optimizers, strict, set(reader.flat), storage_reader=reader)
     rng = extra.pop("rng", None)
-    if rng is not None and _same_world(payload):
-        _set_rng_states(rng[_rank()])
+    if rng is not None and same_world(payload):
+        restore_rng(rng[rank()])
     return payload
+
+
+class FullFormat:
+    """One file on rank 0, a Lightning checkpoint (models whose state fits in one host's memory)."""
+
+    needs_gloo_group = True  # pipeline stages send their share to rank 0 as host tensors
+
+    def save(
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        lightning_state: dict[str, Any],
+        *,
+        mesh: DeviceMesh,
+        group: dist.ProcessGroup | None,
+        background: bool,
+        model_order: Sequence[str] | None,
+        storage_writer: Any = None,
+    ) -> threading.Thread | None:
+        return save_full(path, module, optimizers, lightning_state, mesh, group, background, model_order)
+
+    def load(
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        strict: bool,
+        weights_only: bool | None,
+        model_order: Sequence[str] | None,
+    ) -> dict[str, Any]:
+        return load_full(path, module, optimizers, strict, weights_only, model_order)
 
 
 class _MappedReader(StorageReader):

@@ -1,130 +1,130 @@
-"""The Lightning side of checkpoints: CuboidStrategy's save/load/remove hooks and mid-epoch resume.
+"""The checkpointer: how a CuboidStrategy saves, loads, links and removes checkpoints.
 
-Mixed into :class:`~cuboid.CuboidStrategy`; the on-disk formats and their checks live in
-:mod:`cuboid.checkpoint` (sharded) and :mod:`cuboid.checkpoint_full` (one file). Lightning's own
-model/optimizer state-dict hooks are no-ops here because the state is written and read directly.
+:class:`Checkpointer` owns everything about checkpoints that outlives one call: the format to write,
+whether saves run in the background (and the pending one), the gloo process group those use, the
+removals deferred while a ``last`` link still points at a checkpoint, the batches a mid-epoch resume
+skips, and the model's parameter order before a pipeline split. The strategy's Lightning hooks call it
+in one line each. The on-disk formats are two implementations of one interface
+(:class:`cuboid.checkpoint.ShardedFormat`, :class:`cuboid.checkpoint_full.FullFormat`).
 
 ``ModelCheckpoint(save_last="link")`` replaces ``last`` by delete-then-symlink, and deletes the old
-top-k checkpoint right after issuing a save; Cuboid makes both safe: deletions wait for the pending
-save, ``last`` is re-pointed atomically (a new link renamed over the old) only once its target is
+top-k checkpoint right after issuing a save; the checkpointer makes both safe: deletions wait for the
+pending save, ``last`` is re-pointed atomically (a new link renamed over the old) only once its target is
 complete, and a checkpoint that a ``last`` link still points to is deleted only after the link moved.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
+from torch import nn
+from torch.optim import Optimizer
 
 from cuboid import checkpoint as ckpt
-from cuboid import checkpoint_full, compat
+from cuboid import compat
+from cuboid.checkpoint_full import FullFormat
 
-CHECKPOINT_FORMATS = ("sharded", "full")
-_Path = str | os.PathLike
+FORMATS: dict[str, Any] = {"sharded": ckpt.ShardedFormat(), "full": FullFormat()}
+CHECKPOINT_FORMATS = tuple(FORMATS)
 
 
-class CheckpointMixin:
-    """Sharded (DCP) checkpoints, atomic and optionally asynchronous, reloadable on any layout."""
+class Checkpointer:
+    """Saves and loads a CuboidStrategy's checkpoints; see the module docstring for what it owns.
 
-    async_checkpoint: bool
-    checkpoint_format: str
-    checkpoint_storage_writer: Any
-    _deferred_removals: list[Path]
-    _pending_save: Any
-    _checkpoint_group: dist.ProcessGroup | None
-    _resume_skip: int
-    _param_order: list[str] | None  # the model's parameter names before a pipeline split (None without one)
+    Args:
+        format: ``"sharded"`` or ``"full"``: what :meth:`save` writes (either loads).
+        async_save: Write in the background once the state is copied to host memory.
+    """
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the model is written shard by shard in save_checkpoint
+    def __init__(self, format: str = "sharded", async_save: bool = False) -> None:
+        self.format = format
+        self.async_save = async_save
+        # Advanced: a callable (directory -> DCP StorageWriter) to write sharded checkpoints elsewhere or differently.
+        self.storage_writer: Callable[[Path], Any] | None = None
+        # The model's parameter names before a pipeline split (None without one): positions in Lightning's
+        # optimizer states follow it.
+        self.model_order: list[str] | None = None
+        self._pending: Any = None
+        self._group: dist.ProcessGroup | None = None
+        self._deferred_removals: list[Path] = []
+        self._resume_skip = 0
+        self._barrier: Callable[[], None] = lambda: None
 
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # written shard by shard in save_checkpoint
+    @property
+    def format(self) -> str:
+        return self._format
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
+    @format.setter
+    def format(self, value: str) -> None:
+        if value not in FORMATS:
+            raise ValueError(f"checkpoint_format={value!r}; choose 'sharded' (default) or 'full'.")
+        self._format = value
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
-        path = Path(self.broadcast(str(filepath)))
+    def save(
+        self,
+        path: Path,
+        checkpoint: dict[str, Any],
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        trainer: Any,
+        layout_sizes: tuple[int, ...],
+        mesh: Any,
+    ) -> None:
+        """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically)."""
         checkpoint.pop("state_dict", None)
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
-        optimizers = self.optimizers if checkpoint.pop("optimizer_states", None) is not None else []
-        trainer = self.lightning_module.trainer
+        optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         batches = trainer.fit_loop.epoch_loop.batch_progress
         checkpoint["cuboid"] = {
-            "layout": self.layout.sizes,
-            "world_size": self.world_size,
+            "layout": layout_sizes,
+            "world_size": dist.get_world_size(),
             # Batches of the current epoch already trained: a resume skips them (mid-epoch resume). After the
             # epoch's last batch (a save at the epoch's end, or after fit) Lightning resumes with the next
             # epoch, which must not be skipped into.
             "batches_done_in_epoch": 0 if batches.is_last_batch else batches.current.processed,
         }
-        assert self.model is not None
-        self.wait_for_checkpoint()
-        full = self.checkpoint_format == "full"
-        if self._checkpoint_group is None and (self.async_checkpoint or (full and dist.get_backend() != "gloo")):
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        if full:
-            self._pending_save = checkpoint_full.save_full(
-                path,
-                self.model,
-                optimizers,
-                checkpoint,
-                self.device_mesh,
-                self._checkpoint_group,
-                background=self.async_checkpoint,
-                model_order=self._param_order,
-            )
-            return
-        self._pending_save = ckpt.save_sharded(
+        self.wait()
+        fmt = FORMATS[self.format]
+        if self._group is None and (self.async_save or (fmt.needs_gloo_group and dist.get_backend() != "gloo")):
+            self._group = dist.new_group(backend="gloo")
+        self._pending = fmt.save(
             path,
-            self.model,
+            module,
             optimizers,
             checkpoint,
-            self.checkpoint_storage_writer,
-            async_group=self._checkpoint_group if self.async_checkpoint else None,
+            mesh=mesh,
+            group=self._group,
+            background=self.async_save,
+            model_order=self.model_order,
+            storage_writer=self.storage_writer,
         )
 
-    def wait_for_checkpoint(self) -> None:
+    def wait(self) -> None:
         """Block until a background (async) save has been written and renamed into place."""
-        if self._pending_save is not None:
-            self._pending_save.join()
-            self._pending_save = None
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
 
-    @override
-    def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None and self.lightning_module is not None
+    def load(
+        self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """Load ``path`` (a directory: sharded; a file: full or Lightning's) into this layout; return Lightning's
+        state."""
         ckpt.check_loadable(path, allow_file=True)
-        strict = self.lightning_module.strict_loading
-        if path.is_file():
-            meta = checkpoint_full.load_full(
-                path, self.model, self.optimizers, strict, weights_only, model_order=self._param_order
-            )
-        else:
-            meta = ckpt.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
+        fmt = FORMATS["full" if path.is_file() else "sharded"]
+        meta = fmt.load(
+            path, module, optimizers, strict=strict, weights_only=weights_only, model_order=self.model_order
+        )
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
         return meta
 
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+    def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
+        """After a mid-epoch resume, skip the batches of the epoch that were already trained (once)."""
         if self._resume_skip and trainer is not None and trainer.training:
             skip = self._resume_skip
             dataloader = ckpt.SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
@@ -132,42 +132,41 @@ class CheckpointMixin:
             rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
         return dataloader
 
-    @override
-    def remove_checkpoint(self, filepath: _Path) -> None:
-        # ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
-        # and never while a `last` link still points to it (it is deleted once the link has moved).
-        self.wait_for_checkpoint()
-        if self.is_global_zero:
-            path = Path(filepath)
+    def remove(self, path: Path) -> None:
+        """ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
+        and never while a `last` link still points to it (it is deleted once the link has moved)."""
+        self.wait()
+        if ckpt.is_rank_zero():
             if not path.is_symlink() and _linked_from(path):
                 self._deferred_removals.append(path)
             else:
-                ckpt._remove(path)
+                ckpt.remove_path(path)
 
-    def guard_checkpoint_callbacks(self, callbacks: list[Any]) -> None:
-        """Route ``ModelCheckpoint(save_last="link")``'s link update through :meth:`link_checkpoint`."""
+    def guard_callbacks(self, callbacks: list[Any], barrier: Callable[[], None]) -> None:
+        """Route ``ModelCheckpoint(save_last="link")``'s link update through :meth:`link`."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
+        self._barrier = barrier
         for callback in callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
-                compat.route_link_checkpoint(callback, self.link_checkpoint)
+                compat.route_link_checkpoint(callback, self.link)
 
-    def link_checkpoint(self, trainer: Any, filepath: _Path, linkpath: _Path) -> None:
+    def link(self, trainer: Any, filepath: str | os.PathLike, linkpath: str | os.PathLike) -> None:
         """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
-        self.wait_for_checkpoint()
+        self.wait()
         target, link = Path(filepath), Path(linkpath)
-        if self.is_global_zero and target.absolute() != link.absolute():
+        if ckpt.is_rank_zero() and target.absolute() != link.absolute():
             fresh = link.with_name(f".{link.name}.link")
-            ckpt._remove(fresh)
+            ckpt.remove_path(fresh)
             fresh.symlink_to(os.path.relpath(target, link.parent))
             if link.is_symlink() or not link.exists():
                 os.replace(fresh, link)  # atomic: readers see the old link or the new one
             else:
-                ckpt._publish(fresh, link)  # a real checkpoint stood there: moved aside, then removed
+                ckpt.publish(fresh, link)  # a real checkpoint stood there: moved aside, then removed
             for path in [p for p in self._deferred_removals if not _linked_from(p)]:
                 self._deferred_removals.remove(path)
-                ckpt._remove(path)
-        self.barrier()
+                ckpt.remove_path(path)
+        self._barrier()
 
 
 def _linked_from(path: Path) -> bool:

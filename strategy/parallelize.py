@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,7 +19,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from cuboid import materialize, plans
 from cuboid.compat import SDPA_OPS, checkpoint_module, reads_kv_cache_only
+from cuboid.layout import fsdp_mesh
 
 ACMode = Literal["full", "selective"]
 
@@ -138,6 +140,54 @@ def parallelize(
     if compile:
         apply_compile(blocks)
     apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
+
+
+def parallelize_lightning_module(
+    lm: nn.Module,
+    mesh: DeviceMesh,
+    matched: Mapping[str, tuple[nn.Module, str]],
+    pipelining: Any,
+    device: torch.device,
+    *,
+    block_container: str | None,
+    mp_policy: MixedPrecisionPolicy,
+    activation_checkpointing: ACMode | None,
+    compile: bool,
+    reshard_after_forward: bool | int,
+    cpu_offload: bool,
+) -> list[tuple[str, nn.Module]]:
+    """Shard a whole LightningModule on ``mesh``; returns its blocks.
+
+    What was built for real gets rank 0's values on ``device``; what was built on meta keeps a meta twin for
+    rank 0's init. Then either each top-level child with parameters becomes an FSDP root with its blocks,
+    or (pp > 1) ``pipelining`` keeps this rank's stages and parallelizes each; the meta tensors are
+    materialized from the twins once sharded, and the pipeline schedule is built last.
+    """
+    on_meta = materialize.meta_names(lm)
+    twins = materialize.meta_twins(lm) if on_meta else {}
+    materialize.to_device_except_meta(lm, device)
+    materialize.broadcast_from_rank0(lm)  # what was built for real: rank 0's values everywhere
+    blocks = plans.find_blocks(lm, block_container)
+    common = {
+        "tp_mesh": mesh["tp"],
+        "dp_mesh": fsdp_mesh(mesh),
+        "mp_policy": mp_policy,
+        "activation_checkpointing": activation_checkpointing,
+        "compile": compile,
+        "reshard_after_forward": reshard_after_forward,
+        "cpu_offload": cpu_offload,
+    }
+    if pipelining.enabled:
+        stage_modules = pipelining.build_stages(lm, blocks, matched, common, mesh)
+    else:
+        roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
+        parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
+        parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
+    if on_meta:
+        materialize.materialize_from_twins(lm, twins, on_meta, device)
+    if pipelining.enabled:
+        pipelining.build_schedule(stage_modules, mesh, device)
+    return blocks
 
 
 def check_no_fsdp1(module: nn.Module) -> None:

@@ -27,17 +27,14 @@ from torch.distributed.pipelining import schedules as S
 
 from cuboid.compat import set_metric_update_count, shallow_module_copy
 
+# The schedules Cuboid supports (each has a parity test); their classes come from torch's own registry.
 SCHEDULES: dict[str, type] = {
-    "GPipe": S.ScheduleGPipe,
-    "1F1B": S.Schedule1F1B,
-    "Interleaved1F1B": S.ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": S.ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": S.ScheduleZBVZeroBubble,
-    "LoopedBFS": S.ScheduleLoopedBFS,
+    name: S.get_schedule_class(name)
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS")
 }
-MULTI_STAGE = {"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS"}
-V_SHAPED = {"ZBVZeroBubble"}
-ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble"}
+MULTI_STAGE = {name for name, cls in SCHEDULES.items() if issubclass(cls, S.PipelineScheduleMulti)}
+V_SHAPED = {"ZBVZeroBubble"}  # stage 0 and the last stage on pp rank 0
+ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble"}  # backward split into input and weight passes
 
 
 class PipelineError(ValueError):

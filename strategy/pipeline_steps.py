@@ -1,45 +1,90 @@
-"""The Lightning side of pipeline parallelism: the strategy owns the step when pp > 1.
+"""Pipeline parallelism for one strategy: :class:`Pipelining`, which owns the step when pp > 1.
 
-Mixed into :class:`~cuboid.CuboidStrategy`. Lightning's automatic optimization runs
+It holds the schedule and its settings (checked when the strategy is made), this rank's stages, the
+runner, and the gradients kept across Lightning's zero-grad. Lightning's automatic optimization runs
 ``training_step``, then (at the start of an accumulation window) ``optimizer_zero_grad``, then
-``backward``. The schedule does forward and backward inside ``training_step``, so its gradients
-are kept aside across Lightning's zero-grad and put back in :meth:`backward`, which otherwise
-does nothing; the loss is scaled by ``1 / accumulate_grad_batches`` inside the schedule.
+``backward``. The schedule does forward and backward inside ``training_step``, so its gradients are
+kept aside across Lightning's zero-grad and put back in :meth:`Pipelining.restore_grads`, which the
+strategy's ``backward`` calls instead of running one; the loss is scaled by
+``1 / accumulate_grad_batches`` inside the schedule.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from typing_extensions import override
 
 from cuboid import pipeline
 from cuboid.parallelize import parallelize
 from cuboid.plans import parallel_plan
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
+class Pipelining:
+    """The pipeline of a CuboidStrategy (``pp`` stages; inactive when ``pp == 1``).
 
-class PipelineStepsMixin:
-    """Pipelined ``training_step``/``validation_step``/``test_step`` and the stage setup."""
+    Args: as CuboidStrategy's ``pipeline_parallel``, ``pipeline_schedule``, ``microbatches``,
+    ``virtual_stages``, ``pipeline_split``; ``reshard_after_forward`` and ``activation_checkpointing``
+    are checked against the schedule, and :attr:`reshard_after_forward` holds the resolved default.
+    """
 
-    _pipeline: pipeline.PipelineRunner | None
-    _pipeline_owner: str
-    _stashed_grads: list[Tensor | None]
+    def __init__(
+        self,
+        pp: int,
+        schedule: str = "1F1B",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        split: Sequence[int] | None = None,
+        reshard_after_forward: bool | int | None = None,
+        activation_checkpointing: str | None = None,
+    ) -> None:
+        if virtual_stages is None:
+            virtual_stages = 2 if schedule in pipeline.MULTI_STAGE else 1
+        if microbatches is None:
+            microbatches = 2 * pp * virtual_stages if pp > 1 else 1
+        if pp > 1:
+            pipeline.check_schedule(schedule, pp, microbatches, virtual_stages)
+        zero_bubble = pp > 1 and schedule in pipeline.ZERO_BUBBLE
+        if reshard_after_forward is None:
+            reshard_after_forward = not zero_bubble
+        elif zero_bubble and reshard_after_forward is not False:
+            raise pipeline.PipelineError(
+                f"pipeline_schedule={schedule!r} splits backward into input and weight passes, which needs "
+                f"each block's parameters kept gathered between forward and backward: use reshard_after_forward=False "
+                f"(or leave it None), not {reshard_after_forward!r}."
+            )
+        if zero_bubble and activation_checkpointing is not None:
+            raise pipeline.PipelineError(
+                f"activation_checkpointing={activation_checkpointing!r} does not combine with {schedule!r} "
+                "yet: its split backward re-runs each checkpointed block twice, which torch's checkpoint refuses. "
+                "Use pipeline_schedule='1F1B' or 'Interleaved1F1B', or activation_checkpointing=None."
+            )
+        self.pp, self.schedule, self.microbatches, self.virtual_stages = pp, schedule, microbatches, virtual_stages
+        self.split = list(split) if split is not None else None
+        self.reshard_after_forward = reshard_after_forward
+        self.runner: pipeline.PipelineRunner | None = None
+        self._owner = ""
+        self._stashed_grads: list[Tensor | None] = []
 
-    def _split_pipeline(
-        self, lm: pl.LightningModule, blocks: list, matched: dict, common: dict[str, Any]
+    @property
+    def enabled(self) -> bool:
+        return self.pp > 1
+
+    def describe(self) -> str:
+        return f"{self.schedule} over {self.pp} stages x {self.virtual_stages}"
+
+    def build_stages(
+        self, lm: nn.Module, blocks: list, matched: dict, common: dict[str, Any], mesh: Any
     ) -> list[tuple[int, nn.Module]]:
         """Keep this rank's pipeline stages, then apply TP/AC/compile/FSDP2 to each stage."""
         split = pipeline.find_pipeline_split(lm, blocks)
-        n_stages = self.layout.pp * self.virtual_stages
-        per_stage = pipeline.stage_blocks(len(split.block_keys), n_stages, self.pipeline_split)
-        pp_rank = self.device_mesh["pp"].get_local_rank()
-        my_stages = pipeline.stage_ids(pp_rank, self.layout.pp, self.virtual_stages, self.pipeline_schedule)
+        n_stages = self.pp * self.virtual_stages
+        per_stage = pipeline.stage_blocks(len(split.block_keys), n_stages, self.split)
+        pp_rank = mesh["pp"].get_local_rank()
+        my_stages = pipeline.stage_ids(pp_rank, self.pp, self.virtual_stages, self.schedule)
         owner = getattr(lm, split.owner)
         _, stage_modules = pipeline.build_stages(owner, split, my_stages, per_stage)
         prefix = f"{split.owner}."
@@ -50,106 +95,69 @@ class PipelineStepsMixin:
                 (f"{prefix}{split.container}.{k}", b) for k, b in stage.get_submodule(split.container).items()
             ]
             parallelize([(stage, stage_blocks)], tp_root=stage, tp_plan=parallel_plan(relative), **common)
-        self._pipeline_owner = split.owner
+        self._owner = split.owner
         return list(zip(my_stages, stage_modules, strict=True))
 
-    def _build_schedule(self, stage_modules: list[tuple[int, nn.Module]]) -> None:
+    def build_schedule(self, stage_modules: list[tuple[int, nn.Module]], mesh: Any, device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        pp_mesh = self.device_mesh["pp"]
-        n_stages = self.layout.pp * self.virtual_stages
-        stages = [
-            PipelineStage(module, sid, n_stages, self.root_device, group=pp_mesh.get_group())
-            for sid, module in stage_modules
-        ]
-        last_pp_rank = 0 if self.pipeline_schedule in pipeline.V_SHAPED else self.layout.pp - 1
-        self._pipeline = pipeline.PipelineRunner(
-            stages,
-            self.pipeline_schedule,
-            self.microbatches,
-            self._pipeline_owner,
-            pp_mesh.get_group(),
-            dist.get_global_rank(pp_mesh.get_group(), last_pp_rank),
+        pp_group = mesh["pp"].get_group()
+        n_stages = self.pp * self.virtual_stages
+        stages = [PipelineStage(module, sid, n_stages, device, group=pp_group) for sid, module in stage_modules]
+        last_pp_rank = 0 if self.schedule in pipeline.V_SHAPED else self.pp - 1
+        last_stage_rank = dist.get_global_rank(pp_group, last_pp_rank)
+        self.runner = pipeline.PipelineRunner(
+            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank
         )
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp > 1 the strategy owns the step: the schedule runs forward and backward of every
-        microbatch; the loss returned (the microbatch mean) is the same on every rank."""
-        if self.layout.pp == 1:
-            return super().training_step(*args, **kwargs)
-        trainer = self.lightning_module.trainer
-        batch, batch_idx = self._batch_and_index(args, kwargs)
-        accumulate = trainer.accumulate_grad_batches
-        params = [p for p in self.lightning_module.parameters()]
+    def training_step(self, lm: Any, batch: Any, batch_idx: int, precision: Any, device: torch.device) -> Tensor:
+        """Forward and backward of every microbatch; returns the microbatch-mean loss, the same on every rank."""
+        assert self.runner is not None
+        accumulate = lm.trainer.accumulate_grad_batches
+        params = list(lm.parameters())
         first_of_window = batch_idx % accumulate == 0
         previous = [None if first_of_window else p.grad for p in params]
         for p in params:
             p.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self._pipeline.run(self.lightning_module, "training_step", batch, batch_idx, True, 1 / accumulate)
+        with precision.train_step_context():
+            loss = self.runner.run(lm, "training_step", batch, batch_idx, True, 1 / accumulate)
         # Lightning zeroes gradients *after* training_step (at a window start) and then calls backward:
-        # keep the schedule's gradients aside until backward() puts them back.
+        # keep the schedule's gradients aside until restore_grads() puts them back.
         self._stashed_grads = [
             g if prev is None else (prev if g is None else g + prev)
             for g, prev in zip((p.grad for p in params), previous, strict=True)
         ]
         for p in params:
             p.grad = None
-        self._after_pipelined_step()
-        return torch.tensor(float("nan") if loss is None else loss, device=self.root_device)
+        self._sync_metrics(lm)
+        return torch.tensor(float("nan") if loss is None else loss, device=device)
 
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.layout.pp == 1:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        params = list(self.lightning_module.parameters())
-        for p, g in zip(params, self._stashed_grads, strict=True):
+    def restore_grads(self, lm: nn.Module) -> None:
+        """Put back the gradients the last training_step's schedule computed (instead of a backward)."""
+        for p, g in zip(lm.parameters(), self._stashed_grads, strict=True):
             p.grad = g
         self._stashed_grads = []
-        return closure_loss
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", args, kwargs)
+    def eval_step(self, lm: Any, hook: str, batch: Any, batch_idx: int, precision: Any, device: torch.device) -> Any:
+        """A forward-only schedule of ``lm.<hook>`` (validation_step, test_step)."""
+        assert self.runner is not None
+        with torch.no_grad(), precision.val_step_context():
+            loss = self.runner.run(lm, hook, batch, batch_idx, False)
+        self._sync_metrics(lm)
+        return None if loss is None else torch.tensor(loss, device=device)
 
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", args, kwargs)
+    def _sync_metrics(self, lm: nn.Module) -> None:
+        assert self.runner is not None
+        pipeline.sync_metric_states(lm, self.runner.last_stage_rank, self.runner.pp_group)
 
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.layout.pp > 1:
-            raise NotImplementedError(
-                "trainer.predict is not supported with pipeline_parallel > 1: predictions live on the last stage. "
-                "Run predict with pipeline_parallel=1 (a checkpoint loads into any layout)."
-            )
-        return super().predict_step(*args, **kwargs)
+    def refuse_predict(self) -> None:
+        raise NotImplementedError(
+            "trainer.predict is not supported with pipeline_parallel > 1: predictions live on the last stage. "
+            "Run predict with pipeline_parallel=1 (a checkpoint loads into any layout)."
+        )
 
-    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        if self.layout.pp == 1:
-            return getattr(super(), hook)(*args, **kwargs)
-        batch, batch_idx = self._batch_and_index(args, kwargs)
-        with torch.no_grad(), self.precision_plugin.val_step_context():
-            loss = self._pipeline.run(self.lightning_module, hook, batch, batch_idx, False)
-        self._after_pipelined_step()
-        return None if loss is None else torch.tensor(loss, device=self.root_device)
-
-    def _after_pipelined_step(self) -> None:
-        pipeline.sync_metric_states(self.lightning_module, self._pipeline.last_stage_rank, self._pipeline.pp_group)
-
-    @staticmethod
-    def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        return batch, batch_idx
-
-    @override
-    def on_train_start(self) -> None:
-        """Refuse, before the first step, an epoch whose last batch the microbatches cannot split."""
-        if self.layout.pp == 1:
-            return
-        loader = self.lightning_module.trainer.train_dataloader
+    def check_loader(self, loader: Any) -> None:
+        """Refuse, before the first step, batches (the epoch's last included) the microbatches cannot split."""
         batch_size = getattr(loader, "batch_size", None)
         if not batch_size or getattr(loader, "drop_last", False):
             return
@@ -165,3 +173,10 @@ class PipelineStepsMixin:
                 f"batch size {batch_size} is not divisible by microbatches={self.microbatches}; use a multiple of "
                 f"{self.microbatches}."
             )
+
+
+def batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """The batch and batch_idx of a Lightning step hook's arguments."""
+    batch = args[0] if args else kwargs["batch"]
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    return batch, batch_idx

@@ -25,6 +25,7 @@ __all__ = [
     "find_model_plan",
     "match_plan",
     "parallel_plan",
+    "resolve_plan",
     "to_parallel_style",
 ]
 
@@ -115,6 +116,30 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
             f"tensor_parallel={tp} does not fit the model: {shown}. Choose a tensor_parallel size that divides "
             f"these sizes, or leave those modules out of the plan."
         )
+
+
+def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> dict[str, tuple[nn.Module, str]]:
+    """The tensor-parallel plan that applies to ``root`` (a LightningModule) at this ``tp``, checked.
+
+    ``plan``: the user's, else the model's own (:func:`find_model_plan`). Refuses, before any work, a module
+    holding parameters directly, a plan that does not fit ``tp``, and ``tp > 1`` without any plan.
+    """
+    direct = [n for n, _ in root.named_parameters(recurse=False)]
+    if direct:
+        raise TypeError(
+            f"{type(root).__name__} holds parameters directly ({direct}); CuboidStrategy shards the modules the "
+            "LightningModule calls. Move these parameters into a submodule (e.g. self.model)."
+        )
+    if tp == 1:
+        return {}
+    matched = match_plan(root, plan if plan is not None else find_model_plan(root))
+    check_tp_divisibility(root, matched, tp)
+    if not matched:
+        raise PlanError(
+            f"tensor_parallel={tp} but {type(root).__name__} carries no tensor-parallel plan. Pass "
+            "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
+        )
+    return matched
 
 
 def parallel_plan(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, ParallelStyle]:

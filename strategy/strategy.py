@@ -22,12 +22,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, materialize, pipeline, plans
-from cuboid.checkpoint_glue import CHECKPOINT_FORMATS, CheckpointMixin
+from cuboid import compat, plans
+from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
-from cuboid.layout import Layout, build_device_mesh, check_reshard_after_forward, fsdp_mesh
-from cuboid.parallelize import ACMode, check_no_fsdp1, is_parallelized_by_user, parallelize
-from cuboid.pipeline_steps import PipelineStepsMixin
+from cuboid.layout import Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.parallelize import ACMode, check_no_fsdp1, is_parallelized_by_user, parallelize_lightning_module
+from cuboid.pipeline_steps import Pipelining, batch_and_index
 from cuboid.precision import CuboidPrecision
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 _FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
 
 
-class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
+class CuboidStrategy(ParallelStrategy):
     """Train one LightningModule on a pp x dp_replicate x dp_shard x tp cuboid of devices.
 
     FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard``
@@ -124,31 +124,15 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if virtual_stages is None:
-            virtual_stages = 2 if pipeline_schedule in pipeline.MULTI_STAGE else 1
-        if microbatches is None:
-            microbatches = 2 * pipeline_parallel * virtual_stages if pipeline_parallel > 1 else 1
-        if pipeline_parallel > 1:
-            pipeline.check_schedule(pipeline_schedule, pipeline_parallel, microbatches, virtual_stages)
-        zero_bubble = pipeline_parallel > 1 and pipeline_schedule in pipeline.ZERO_BUBBLE
-        if reshard_after_forward is None:
-            reshard_after_forward = not zero_bubble
-        elif zero_bubble and reshard_after_forward is not False:
-            raise pipeline.PipelineError(
-                f"pipeline_schedule={pipeline_schedule!r} splits backward into input and weight passes, which needs "
-                f"each block's parameters kept gathered between forward and backward: use reshard_after_forward=False "
-                f"(or leave it None), not {reshard_after_forward!r}."
-            )
-        if zero_bubble and activation_checkpointing is not None:
-            raise pipeline.PipelineError(
-                f"activation_checkpointing={activation_checkpointing!r} does not combine with {pipeline_schedule!r} "
-                "yet: its split backward re-runs each checkpointed block twice, which torch's checkpoint refuses. "
-                "Use pipeline_schedule='1F1B' or 'Interleaved1F1B', or activation_checkpointing=None."
-            )
-        self.pipeline_schedule = pipeline_schedule
-        self.microbatches = microbatches
-        self.virtual_stages = virtual_stages
-        self.pipeline_split = list(pipeline_split) if pipeline_split is not None else None
+        self.pipelining = Pipelining(
+            pipeline_parallel,
+            pipeline_schedule,
+            microbatches,
+            virtual_stages,
+            pipeline_split,
+            reshard_after_forward,
+            activation_checkpointing,
+        )
         if activation_checkpointing not in (None, "full", "selective"):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r}; choose None, 'full' or 'selective'."
@@ -160,27 +144,14 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
         self.block_container = block_container
         self.activation_checkpointing = activation_checkpointing
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = self.pipelining.reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}; choose 'sharded' (default) or 'full'.")
-        self.async_checkpoint = async_checkpoint
-        self.checkpoint_format = checkpoint_format
-        self._deferred_removals: list[Path] = []
-        self._pending_save: Any = None
-        self._checkpoint_group: dist.ProcessGroup | None = None
+        self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
-        self._pipeline: pipeline.PipelineRunner | None = None
-        self._resume_skip = 0
-        # Advanced: a callable (directory -> DCP StorageWriter) to write checkpoints elsewhere or differently.
-        self.checkpoint_storage_writer: Any = None
-        self._pipeline_owner = ""
-        self._stashed_grads: list[Tensor | None] = []
-        self._param_order: list[str] | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout and mesh
@@ -307,7 +278,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         check_no_fsdp1(lm)
-        self.guard_checkpoint_callbacks(trainer.callbacks)
+        self.checkpointer.guard_callbacks(trainer.callbacks, self.barrier)
         if is_parallelized_by_user(lm):
             compat.materialize_distributed_module(lm, self.root_device)
         else:
@@ -322,57 +293,27 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
-        mesh = self.device_mesh
-        if any(True for _ in lm.parameters(recurse=False)):
-            names = [n for n, _ in lm.named_parameters(recurse=False)]
-            raise TypeError(
-                f"{type(lm).__name__} holds parameters directly ({names}); CuboidStrategy shards the modules the "
-                "LightningModule calls. Move these parameters into a submodule (e.g. self.model)."
-            )
+        matched = plans.resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
         if self.layout.pp > 1:  # positions in a Lightning optimizer state follow the whole model's order
-            self._param_order = [name for name, _ in lm.named_parameters()]
-        plan = self.tensor_parallel_plan if self.tensor_parallel_plan is not None else plans.find_model_plan(lm)
-        tp = self.layout.tp
-        matched = plans.match_plan(lm, plan) if tp > 1 else {}
-        plans.check_tp_divisibility(lm, matched, tp)
-        if tp > 1 and not matched:
-            raise plans.PlanError(
-                f"tensor_parallel={tp} but {type(lm).__name__} carries no tensor-parallel plan. Pass "
-                "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
-            )
+            self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
-        on_meta = materialize.meta_names(lm)
-        twins = materialize.meta_twins(lm) if on_meta else {}
-        materialize.to_device_except_meta(lm, self.root_device)
-        materialize.broadcast_from_rank0(lm)  # what was built for real: rank 0's values everywhere
-        blocks = plans.find_blocks(lm, self.block_container)
-        common = {
-            "tp_mesh": mesh["tp"],
-            "dp_mesh": fsdp_mesh(mesh),
-            "mp_policy": self.precision_plugin.mixed_precision_policy,
-            "activation_checkpointing": self.activation_checkpointing,
-            "compile": self.compile,
-            "reshard_after_forward": self.reshard_after_forward,
-            "cpu_offload": self.cpu_offload,
-        }
-        if self.layout.pp > 1:
-            stage_modules = self._split_pipeline(lm, blocks, matched, common)
-        else:
-            roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
-            parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
-            parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
-        if on_meta:
-            materialize.materialize_from_twins(lm, twins, on_meta, self.root_device)
-        if self.layout.pp > 1:
-            self._build_schedule(stage_modules)
+        blocks = parallelize_lightning_module(
+            lm,
+            self.device_mesh,
+            matched,
+            self.pipelining,
+            self.root_device,
+            block_container=self.block_container,
+            mp_policy=self.precision_plugin.mixed_precision_policy,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
             f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
-            + (
-                f", {self.pipeline_schedule} over {self.layout.pp} stages x {self.virtual_stages}"
-                if self.layout.pp > 1
-                else ""
-            )
+            + (f", {self.pipelining.describe()}" if self.layout.pp > 1 else "")
         )
 
     @override
@@ -387,6 +328,102 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
         """``empty_init=True`` builds on the meta device; Cuboid materializes shards in ``setup``."""
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
+
+    # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1 the schedule runs forward and backward of every microbatch; the loss returned (the
+        microbatch mean) is the same on every rank."""
+        if not self.pipelining.enabled:
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = batch_and_index(args, kwargs)
+        lm = self.lightning_module
+        return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.pipelining.enabled:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pipelining.restore_grads(self.lightning_module)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelining.enabled:
+            return super().validation_step(*args, **kwargs)
+        batch, idx = batch_and_index(args, kwargs)
+        return self.pipelining.eval_step(
+            self.lightning_module, "validation_step", batch, idx, self.precision_plugin, self.root_device
+        )
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelining.enabled:
+            return super().test_step(*args, **kwargs)
+        batch, idx = batch_and_index(args, kwargs)
+        return self.pipelining.eval_step(
+            self.lightning_module, "test_step", batch, idx, self.precision_plugin, self.root_device
+        )
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipelining.enabled:
+            self.pipelining.refuse_predict()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def on_train_start(self) -> None:
+        if self.pipelining.enabled:
+            self.pipelining.check_loader(self.lightning_module.trainer.train_dataloader)
+
+    # ------------------------------------------------------------------ checkpoints (the Checkpointer)
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is written shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # written shard by shard in save_checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        assert self.model is not None and self.lightning_module is not None
+        path = Path(self.broadcast(str(filepath)))
+        trainer = self.lightning_module.trainer
+        self.checkpointer.save(
+            path, checkpoint, self.model, self.optimizers, trainer, self.layout.sizes, self.device_mesh
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background (async) save has been written and renamed into place."""
+        self.checkpointer.wait()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        strict = self.lightning_module.strict_loading
+        return self.checkpointer.load(path, self.model, self.optimizers, strict, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpointer.remove(Path(filepath))
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self.checkpointer.resume_loader(dataloader, trainer)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -431,7 +468,7 @@ class CuboidStrategy(CheckpointMixin, PipelineStepsMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self.wait_for_checkpoint()
+        self.checkpointer.wait()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

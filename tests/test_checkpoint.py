@@ -419,11 +419,11 @@ def test_link_replaces_last_atomically_and_defers_deleting_its_target(tmp_path: 
         (tmp_path / name).mkdir()
         (tmp_path / name / "meta.pt").write_bytes(b"x")
     last = tmp_path / "last.ckpt"
-    strategy.link_checkpoint(None, tmp_path / "step=2.ckpt", last)
+    strategy.checkpointer.link(None, tmp_path / "step=2.ckpt", last)
     assert last.is_symlink() and os.readlink(last) == "step=2.ckpt"
     strategy.remove_checkpoint(tmp_path / "step=2.ckpt")  # top-k drops it while `last` still points there
     assert (tmp_path / "step=2.ckpt").is_dir()
-    strategy.link_checkpoint(None, tmp_path / "step=4.ckpt", last)
+    strategy.checkpointer.link(None, tmp_path / "step=4.ckpt", last)
     assert os.readlink(last) == "step=4.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=4.ckpt"]
     strategy.remove_checkpoint(last)  # removing a link never touches its target

@@ -65,7 +65,7 @@ def test_pipeline_arguments_are_checked_up_front() -> None:
     with pytest.raises(PipelineError, match="activation_checkpointing='full' does not combine with 'ZBVZeroBubble'"):
         CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", activation_checkpointing="full")
     assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble").reshard_after_forward is False
-    assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Interleaved1F1B").microbatches == 8
+    assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Interleaved1F1B").pipelining.microbatches == 8
 
 
 def test_blocks_not_divisible_by_stages_need_an_explicit_split() -> None:

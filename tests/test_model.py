@@ -77,3 +77,16 @@ def test_models_hold_no_parallel_code() -> None:
     for path in (Path(__file__).parents[1] / "models").glob("*.py"):
         imports = [line for line in path.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
         assert not [line for line in imports if "distributed" in line], path
+
+
+def test_model_size_configs_are_generated_from_the_code() -> None:
+    """conf/model/*.yaml are written from cuboid.models.CONFIGS (one source of truth): they may not drift."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "model_configs.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr

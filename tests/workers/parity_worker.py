@@ -138,7 +138,7 @@ def run(spec: dict, out_dir: Path) -> None:
             saves["n"] += 1
             return writer(path) if saves["n"] >= 2 else None
 
-        strategy.checkpoint_storage_writer = second_save_stalls
+        strategy.checkpointer.storage_writer = second_save_stalls
     family = spec.get("model", "llama")
     if family in third_party.FAMILIES:
         module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
@@ -223,7 +223,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
         "backward_ops": backward_ops(module) if strategy.layout.pp == 1 and family == "llama" else None,
         "params": sorted(n for n, _ in module.named_parameters()),
-        "schedule": type(strategy._pipeline.schedule).__name__ if strategy._pipeline else None,
+        "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         "compiled_graphs": compiled_graphs,
         "stopped_at": trainer.global_step,
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
@@ -240,8 +240,8 @@ def run(spec: dict, out_dir: Path) -> None:
 
         blocked = {}
         for mode in ("sync", "async", "full", "full-async"):
-            strategy.async_checkpoint = mode.endswith("async")
-            strategy.checkpoint_format = "full" if mode.startswith("full") else "sharded"
+            strategy.checkpointer.async_save = mode.endswith("async")
+            strategy.checkpointer.format = "full" if mode.startswith("full") else "sharded"
             before = {
                 n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for n, p in module.named_parameters()
