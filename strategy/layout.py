@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from cuboid.compat import flatten_mesh
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
 
 
 class LayoutError(ValueError):
@@ -90,8 +91,8 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp).
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
-    dp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-    flatten_mesh(mesh["dp_replicate", "dp_shard"], "data_parallel")
+    dp_mesh = flatten_mesh(mesh[DP_DIMS], "dp")
+    flatten_mesh(mesh[DP_DIMS], "data_parallel")
     flatten_mesh(mesh["tp"], "tensor_parallel")
     return mesh, dp_mesh
 
@@ -99,7 +100,7 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
+        return mesh[DP_DIMS]
     return mesh["dp_shard"]
 
 

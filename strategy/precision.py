@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -23,7 +23,6 @@ from typing_extensions import override
 
 from cuboid.grad_norm import clip_grad_norm_
 
-PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
 

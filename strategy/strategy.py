@@ -25,7 +25,7 @@ from typing_extensions import override
 from cuboid import compat, plans
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
-from cuboid.layout import Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.parallelize import ACMode, check_no_fsdp1, is_parallelized_by_user, parallelize_lightning_module
 from cuboid.pipeline_steps import Pipelining, batch_and_index
 from cuboid.precision import CuboidPrecision
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
-_FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+_FLATTENED = {"dp": DP_DIMS}
 
 
 class CuboidStrategy(ParallelStrategy):

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import WORKERS, torchrun
+from harness import WORKERS, torchrun
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 TP2, PP2 = {"tensor_parallel": 2}, {"pipeline_parallel": 2}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORKERS, free_port, torchrun, worker_env
+from harness import WORKERS, free_port, torchrun, worker_env
 from parity_lib import reference_run
 
 from cuboid.checkpoint import CheckpointError, check_loadable, read_model_weights

@@ -189,7 +189,7 @@ def test_launcher_parts_and_process_group_helpers(tmp_path, monkeypatch) -> None
     assert compat.default_process_group_backend(torch.device("cpu")) == "gloo"
     assert compat.default_process_group_backend(torch.device("cuda", 0)) == "nccl"
 
-    monkeypatch.setenv("MASTER_PORT", str(__import__("conftest").free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(__import__("harness").free_port()))
     env = LightningEnvironment()
     env.set_world_size(1)
     env.set_global_rank(0)

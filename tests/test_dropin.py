@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import WORKERS, torchrun
+from harness import WORKERS, torchrun
 from parity_lib import (
     ADAMW,
     CFG,

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import WORKERS, torchrun
+from harness import WORKERS, torchrun
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 RUNS = {

@@ -10,10 +10,11 @@ fed the same batch and data-parallel ranks disjoint ones.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import WORKERS, torchrun
+from harness import WORKERS, torchrun
 from parity_lib import CLIP, reference_run
 
 LOSS_RTOL = 1e-5
@@ -22,44 +23,48 @@ PARAM_ATOL = 1e-5
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "tok_embeddings.weight", "output.weight")
 ROWWISE = ("wo.weight", "w2.weight")
 
-# name -> (world size, CuboidStrategy kwargs, accumulate_grad_batches, meta-device init)
-RUNS: dict[str, tuple[int, dict, int, bool]] = {}
+
+@dataclass(frozen=True)
+class Run:
+    """One parity run: processes, CuboidStrategy arguments, accumulate_grad_batches, meta-device init."""
+
+    world: int
+    strategy: dict
+    accumulate: int = 1
+    meta_init: bool = False
+
+
+RUNS: dict[str, Run] = {}
 for layout, world, kwargs in [
     ("dp2", 2, {}),
     ("tp2", 2, {"tensor_parallel": 2}),
     ("dp2xtp2", 4, {"tensor_parallel": 2}),
     ("hsdp2x2", 4, {"data_parallel_replicate": 2}),
 ]:
-    RUNS[f"{layout}"] = (world, kwargs, 1, False)
-    RUNS[f"{layout}-ac_full"] = (world, {**kwargs, "activation_checkpointing": "full"}, 1, False)
-    RUNS[f"{layout}-ac_selective"] = (world, {**kwargs, "activation_checkpointing": "selective"}, 1, False)
-    RUNS[f"{layout}-accum2"] = (world, kwargs, 2, False)
-RUNS["dp2xtp2-meta_init"] = (4, {"tensor_parallel": 2}, 1, True)
+    RUNS[f"{layout}"] = Run(world, kwargs)
+    RUNS[f"{layout}-ac_full"] = Run(world, {**kwargs, "activation_checkpointing": "full"})
+    RUNS[f"{layout}-ac_selective"] = Run(world, {**kwargs, "activation_checkpointing": "selective"})
+    RUNS[f"{layout}-accum2"] = Run(world, kwargs, accumulate=2)
+RUNS["dp2xtp2-meta_init"] = Run(4, {"tensor_parallel": 2}, meta_init=True)
 # HSDP composed with TP (replicate 2 x shard 2 x tp 2), partial resharding after forward, compiled blocks.
-RUNS["hsdp2x2xtp2"] = (8, {"data_parallel_replicate": 2, "tensor_parallel": 2}, 1, False)
-RUNS["dp4-reshard_after_forward2"] = (4, {"reshard_after_forward": 2}, 1, False)
-RUNS["dp2-compile"] = (2, {"compile": True}, 1, False)
+RUNS["hsdp2x2xtp2"] = Run(8, {"data_parallel_replicate": 2, "tensor_parallel": 2})
+RUNS["dp4-reshard_after_forward2"] = Run(4, {"reshard_after_forward": 2})
+RUNS["dp2-compile"] = Run(2, {"compile": True})
 # Pipeline parallel: every schedule at pp=2, then pp composed with dp and tp, and the 8-process 3D cube.
 PP = {"pipeline_parallel": 2}
-RUNS["pp2-1F1B"] = (2, PP, 1, False)
-RUNS["pp2-GPipe-accum2"] = (2, {**PP, "pipeline_schedule": "GPipe"}, 2, False)
-RUNS["pp2-Interleaved1F1B-ac_full"] = (
-    2,
-    {**PP, "pipeline_schedule": "Interleaved1F1B", "activation_checkpointing": "full"},
-    1,
-    False,
+RUNS["pp2-1F1B"] = Run(2, PP)
+RUNS["pp2-GPipe-accum2"] = Run(2, {**PP, "pipeline_schedule": "GPipe"}, accumulate=2)
+RUNS["pp2-Interleaved1F1B-ac_full"] = Run(
+    2, {**PP, "pipeline_schedule": "Interleaved1F1B", "activation_checkpointing": "full"}
 )
-RUNS["pp2-InterleavedZeroBubble"] = (2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"}, 1, False)
-RUNS["pp2-ZBVZeroBubble"] = (2, {**PP, "pipeline_schedule": "ZBVZeroBubble"}, 1, False)
-RUNS["pp2xdp2-1F1B-accum2"] = (4, PP, 2, False)
-RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = (
-    4,
-    {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
-    1,
-    True,
+RUNS["pp2-InterleavedZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"})
+RUNS["pp2-ZBVZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "ZBVZeroBubble"})
+RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2)
+RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = Run(
+    4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True
 )
-RUNS["pp2xdp2xtp2-1F1B"] = (8, {**PP, "tensor_parallel": 2}, 1, False)
-RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = (
+RUNS["pp2xdp2xtp2-1F1B"] = Run(8, {**PP, "tensor_parallel": 2})
+RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = Run(
     8,
     {
         **PP,
@@ -68,8 +73,7 @@ RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = (
         "microbatches": 4,
         "activation_checkpointing": "selective",
     },
-    2,
-    False,
+    accumulate=2,
 )
 
 
@@ -105,11 +109,11 @@ PARITY_TABLE: dict[str, tuple[float, float]] = {}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("parity")
-    for world in sorted({w for w, *_ in RUNS.values()}):
+    for world in sorted({run.world for run in RUNS.values()}):
         specs = [
-            {"name": name, "strategy": kw, "accumulate": acc, "meta_init": meta}
-            for name, (w, kw, acc, meta) in RUNS.items()
-            if w == world
+            {"name": name, "strategy": run.strategy, "accumulate": run.accumulate, "meta_init": run.meta_init}
+            for name, run in RUNS.items()
+            if run.world == world
         ]
         if world == 2:
             specs += PIPELINE_ERRORS
@@ -134,8 +138,7 @@ def test_reference_clips_on_some_steps_only(references) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_loss_and_parameters_match_single_process(name: str, results, references) -> None:
-    world, kwargs, acc, _ = RUNS[name]
-    got, ref = results[name], references[acc]
+    got, ref = results[name], references[RUNS[name].accumulate]
     assert len(got["losses"]) == len(ref.losses) >= 12
     rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses, strict=True)]
     assert max(rel) <= LOSS_RTOL, f"{name}: per-step relative loss error {max(rel):.2e}"
@@ -149,7 +152,7 @@ def test_loss_and_parameters_match_single_process(name: str, results, references
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in RUNS if "-" not in n and not n.startswith("pp")])
 def test_layout_is_real(name: str, results) -> None:
-    world, kwargs, _, _ = RUNS[name]
+    world, kwargs = RUNS[name].world, RUNS[name].strategy
     tp, rep = kwargs.get("tensor_parallel", 1), kwargs.get("data_parallel_replicate", 1)
     shard = world // (tp * rep)
     ranks = results[name]["ranks"]
@@ -204,7 +207,7 @@ def test_activation_checkpointing_is_real(layout: str, results) -> None:
 @pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("pp")])
 def test_pipeline_is_real(name: str, results) -> None:
     """Each rank holds only its stages' blocks; the schedule is the one asked for; every rank logs the same loss."""
-    world, kwargs, _, _ = RUNS[name]
+    kwargs = RUNS[name].strategy
     schedule = kwargs.get("pipeline_schedule", "1F1B")
     ranks = results[name]["ranks"]
     n_stages = 4 if schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") else 2

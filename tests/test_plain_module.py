@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from conftest import WORKERS, run_checked, worker_env
+from harness import WORKERS, run_checked, worker_env
 
 
 @pytest.mark.slow

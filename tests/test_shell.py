@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_checked, worker_env
+from harness import ROOT, free_port, run_checked, worker_env
 from wandb_records import config, history, read_records
 
 from cuboid.data import TokenDataModule, prepare_tokens

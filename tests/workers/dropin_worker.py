@@ -104,7 +104,7 @@ def make_strategy(spec: dict, world: int):
         tp = kwargs.pop("tensor_parallel_size", 1)
         return ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp, **kwargs), world // tp
     strategy = CuboidStrategy(timeout=timedelta(seconds=90), **kwargs)
-    return strategy, world // (strategy.layout.tp * strategy.layout.pp)
+    return strategy, strategy.layout.resolve(world).dp
 
 
 def run(spec: dict, out_dir: Path) -> None:

@@ -129,7 +129,7 @@ def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
     strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
-    dp = world // (strategy.layout.tp * strategy.layout.pp)
+    dp = strategy.layout.resolve(world).dp
     if spec.get("stall_on_save"):
         saves = {"n": 0}
         writer = stalling_writer(1, spec["stall_on_save"])
