@@ -49,8 +49,8 @@ class LlamaConfig:
         return self.n_layers * block + 2 * self.vocab_size * self.dim + self.dim
 
 
-# Named sizes, one registry of plain data (litgpt-style). 8b and 70b follow the Llama 3.1 model
-# cards (shared/ANCHORS.md), 1b the Llama 3.2 1B shape (embeddings untied here: 1.5B parameters);
+# Named sizes, one registry of plain data (litgpt-style; conf/model/*.yaml are generated from it by
+# scripts/model_configs.py). 8b and 70b follow Meta's Llama 3.1 model cards, 1b the Llama 3.2 1B shape (embeddings untied here: 1.5B parameters);
 # 150m is a GPT-2-small-sized member of the family (153M).
 CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(),

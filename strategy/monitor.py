@@ -20,7 +20,7 @@ from typing_extensions import override
 from cuboid.compat import should_accumulate
 from cuboid.grad_norm import global_grad_norm
 
-# Dense bf16 peak FLOP/s per device (shared/ANCHORS.md); MFU is reported only where known.
+# Dense bf16 peak FLOP/s per device, from NVIDIA's datasheets; MFU is reported only where known.
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
 

@@ -130,7 +130,8 @@ def parallelize(
     reshard_after_forward: bool | int,
     cpu_offload: bool,
 ) -> None:
-    """Apply TP -> AC -> compile -> FSDP2, in that order (see DESIGN.md).
+    """Apply TP -> AC -> compile -> FSDP2, in that order: tensor parallel first (DTensor parameters), then
+    checkpointing and compilation of the sharded blocks, FSDP2 last (it shards whatever TP left).
 
     ``tp_plan`` names modules relative to ``tp_root``; ``parts`` are the FSDP roots with their blocks.
     """

@@ -1,6 +1,6 @@
 """Pipeline parallel: split a pipeline-ready model into stages, and run Lightning's step through a schedule.
 
-Pipeline-ready (see DESIGN.md): the LightningModule's model (a direct child, e.g. ``self.model``)
+Pipeline-ready: the LightningModule's model (a direct child, e.g. ``self.model``)
 runs ``pre -> blocks -> post``, holds its blocks in an ``nn.ModuleDict`` keyed ``"0", "1", ...``
 and skips pieces that are ``None``. A stage keeps its blocks (same keys, so parameter names are
 those of the whole model) and, on the first/last stage, the pieces before/after the blocks.
