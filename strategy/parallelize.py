@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -24,6 +24,14 @@ from cuboid.compat import SDPA_OPS, checkpoint_module, reads_kv_cache_only
 from cuboid.layout import fsdp_mesh
 
 ACMode = Literal["full", "selective"]
+
+
+def check_ac_mode(mode: object) -> None:
+    """``activation_checkpointing`` is None or one of :data:`ACMode`'s values."""
+    allowed = get_args(ACMode)
+    if mode is not None and mode not in allowed:
+        raise ValueError(f"activation_checkpointing={mode!r}; choose None, {', '.join(map(repr, allowed))}.")
+
 
 # Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest
 # (norms, activations, elementwise) are recomputed in backward.

@@ -35,14 +35,21 @@ class CuboidPrecision(Precision):
     * ``"bf16-true"``: the model itself is bf16 (parameters, gradients, optimizer state).
     """
 
-    def __init__(self, precision: str = "32-true") -> None:
+    def __init__(
+        self,
+        precision: str = "32-true",
+        device_mesh: DeviceMesh | None = None,
+        flattened_dims: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        """``device_mesh`` (with ``flattened_dims``, names of flattened sub-meshes -> the dims they cover): the
+        mesh the gradient norm is reduced over; the strategy makes its plugin with it once the mesh exists."""
         if precision not in SUPPORTED:
             raise ValueError(
                 f"CuboidStrategy does not support precision={precision!r}. Choose one of {', '.join(SUPPORTED)}."
             )
         self.precision = precision  # type: ignore[assignment]
-        self.device_mesh: DeviceMesh | None = None
-        self.flattened_dims: Mapping[str, tuple[str, ...]] = {}
+        self.device_mesh = device_mesh
+        self.flattened_dims: Mapping[str, tuple[str, ...]] = dict(flattened_dims or {})
         self.last_grad_norm: torch.Tensor | None = None
 
     @property

@@ -26,7 +26,13 @@ from cuboid import compat, plans
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
-from cuboid.parallelize import ACMode, check_no_fsdp1, is_parallelized_by_user, parallelize_lightning_module
+from cuboid.parallelize import (
+    ACMode,
+    check_ac_mode,
+    check_no_fsdp1,
+    is_parallelized_by_user,
+    parallelize_lightning_module,
+)
 from cuboid.pipeline_steps import Pipelining, batch_and_index
 from cuboid.precision import CuboidPrecision
 
@@ -133,10 +139,7 @@ class CuboidStrategy(ParallelStrategy):
             reshard_after_forward,
             activation_checkpointing,
         )
-        if activation_checkpointing not in (None, "full", "selective"):
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r}; choose None, 'full' or 'selective'."
-            )
+        check_ac_mode(activation_checkpointing)
         if tensor_parallel_plan is not None:
             for pattern, style in tensor_parallel_plan.items():
                 plans.canonical_style(style, pattern)
@@ -214,8 +217,9 @@ class CuboidStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> CuboidPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, CuboidPrecision) else CuboidPrecision()
+        if not isinstance(self._precision_plugin, CuboidPrecision):
+            self._precision_plugin = CuboidPrecision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
@@ -257,8 +261,7 @@ class CuboidStrategy(ParallelStrategy):
         destroy_process_group_at_exit()
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
-        self.precision_plugin.device_mesh = self._device_mesh
-        self.precision_plugin.flattened_dims = _FLATTENED
+        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, _FLATTENED)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
