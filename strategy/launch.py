@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
@@ -143,6 +144,19 @@ class CuboidLauncher(SubprocessScriptLauncher):
             else:
                 command, cwd = basic_subprocess_cmd(), None
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+
+def check_before_launch(
+    cluster_environment: ClusterEnvironment, num_nodes: int, num_processes: int, cpu_offload: bool, device: Any
+) -> None:
+    """What can be refused in the launching process, before any child process or process group exists."""
+    if cpu_offload and device.type == "cpu":
+        raise ValueError(
+            "cpu_offload=True moves sharded parameters, gradients and optimizer state from accelerator memory to "
+            "host memory; with accelerator='cpu' they already are there. Set cpu_offload=False."
+        )
+    check_slurm_tasks(cluster_environment, num_nodes, num_processes)
+    forget_previous_launch()
 
 
 def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from cuboid import compat, plans
 from cuboid.checkpoint_glue import Checkpointer
-from cuboid.launch import CuboidLauncher, check_slurm_tasks, destroy_process_group_at_exit, forget_previous_launch
+from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit
 from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.parallelize import (
     ACMode,
@@ -235,13 +235,9 @@ class CuboidStrategy(ParallelStrategy):
         # Check the layout in the launching process, before any child process or process group exists.
         resolved = self.layout.resolve(self.num_nodes * self.num_processes)
         check_reshard_after_forward(self.reshard_after_forward, resolved.dp_shard)
-        if self.cpu_offload and self.root_device.type == "cpu":
-            raise ValueError(
-                "cpu_offload=True moves sharded parameters, gradients and optimizer state from accelerator memory to "
-                "host memory; with accelerator='cpu' they already are there. Set cpu_offload=False."
-            )
-        check_slurm_tasks(self.cluster_environment, self.num_nodes, self.num_processes)
-        forget_previous_launch()
+        check_before_launch(
+            self.cluster_environment, self.num_nodes, self.num_processes, self.cpu_offload, self.root_device
+        )
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CuboidLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -354,18 +350,18 @@ class CuboidStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.pipelining.enabled:
             return super().validation_step(*args, **kwargs)
-        batch, idx = batch_and_index(args, kwargs)
-        return self.pipelining.eval_step(
-            self.lightning_module, "validation_step", batch, idx, self.precision_plugin, self.root_device
-        )
+        return self._pipelined_eval("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.pipelining.enabled:
             return super().test_step(*args, **kwargs)
+        return self._pipelined_eval("test_step", args, kwargs)
+
+    def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:
         batch, idx = batch_and_index(args, kwargs)
         return self.pipelining.eval_step(
-            self.lightning_module, "test_step", batch, idx, self.precision_plugin, self.root_device
+            self.lightning_module, hook, batch, idx, self.precision_plugin, self.root_device
         )
 
     @override

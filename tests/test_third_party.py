@@ -11,6 +11,7 @@ as data, and its blocks are found automatically. Meta-device init keeps what was
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,22 +23,30 @@ pytest.importorskip("transformers")
 
 TP2 = {"tensor_parallel": 2}
 
-# name -> (world size, spec)
-RUNS: dict[str, tuple[int, dict]] = {
-    "hf_llama-tp2": (2, {"model": "hf_llama", "strategy": TP2}),
-    "hf_qwen3-tp2": (2, {"model": "hf_qwen3", "strategy": TP2}),
-    "hf_qwen3-dp2": (2, {"model": "hf_qwen3", "strategy": {}}),
+
+@dataclass(frozen=True)
+class Run:
+    """One third-party run: processes, and the parity worker's spec (model family, strategy arguments, ...)."""
+
+    world: int
+    spec: dict
+
+
+RUNS: dict[str, Run] = {
+    "hf_llama-tp2": Run(2, {"model": "hf_llama", "strategy": TP2}),
+    "hf_qwen3-tp2": Run(2, {"model": "hf_qwen3", "strategy": TP2}),
+    "hf_qwen3-dp2": Run(2, {"model": "hf_qwen3", "strategy": {}}),
     # the replicated_with_grad_allreduce norms' forward hooks under recompute
-    "hf_qwen3-tp2-ac_full": (2, {"model": "hf_qwen3", "strategy": {**TP2, "activation_checkpointing": "full"}}),
-    "hf_vit-dp2": (2, {"model": "hf_vit", "strategy": {}}),
-    "hf_qwen3-dp2xtp2": (4, {"model": "hf_qwen3", "strategy": TP2}),
-    "hf_vit-dp2xtp2": (4, {"model": "hf_vit", "strategy": {**TP2, "tensor_parallel_plan": third_party.VIT_PLAN}}),
-    "hf_llama-hsdp2x2-ac_selective": (
+    "hf_qwen3-tp2-ac_full": Run(2, {"model": "hf_qwen3", "strategy": {**TP2, "activation_checkpointing": "full"}}),
+    "hf_vit-dp2": Run(2, {"model": "hf_vit", "strategy": {}}),
+    "hf_qwen3-dp2xtp2": Run(4, {"model": "hf_qwen3", "strategy": TP2}),
+    "hf_vit-dp2xtp2": Run(4, {"model": "hf_vit", "strategy": {**TP2, "tensor_parallel_plan": third_party.VIT_PLAN}}),
+    "hf_llama-hsdp2x2-ac_selective": Run(
         4,
         {"model": "hf_llama", "strategy": {"data_parallel_replicate": 2, "activation_checkpointing": "selective"}},
     ),
     # Built on meta in configure_model, beside a MeanMetric and a real submodule made in __init__.
-    "hf_llama-dp2xtp2-meta_init": (
+    "hf_llama-dp2xtp2-meta_init": Run(
         4,
         {"model": "hf_llama", "strategy": TP2, "meta_init": True, "probe_module": True, "validate": True},
     ),
@@ -51,8 +60,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("third_party")
     saved = out / "qwen3-tp2" / "step=6.ckpt"
     launches: dict[int, list[dict]] = {}
-    for name, (world, spec) in RUNS.items():
-        launches.setdefault(world, []).append({"name": name, **spec})
+    for name, run in RUNS.items():
+        launches.setdefault(run.world, []).append({"name": name, **run.spec})
     launches[2].append(
         {
             "name": "hf_qwen3-tp2-save",
@@ -73,7 +82,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[tuple[str, bool], object]:
-    keys = {(spec["model"], spec.get("meta_init", False)) for _, spec in RUNS.values()} | {("hf_qwen3", False)}
+    keys = {(run.spec["model"], run.spec.get("meta_init", False)) for run in RUNS.values()} | {("hf_qwen3", False)}
     return {key: third_party.reference_run(*key) for key in keys}
 
 
@@ -93,7 +102,7 @@ def _check_parity(name: str, got: dict, ref, steps: slice = slice(None)) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_third_party_model_matches_single_process(name: str, results, references) -> None:
-    spec = RUNS[name][1]
+    spec = RUNS[name].spec
     _check_parity(name, results[name], references[(spec["model"], spec.get("meta_init", False))])
 
 
