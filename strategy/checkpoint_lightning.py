@@ -50,7 +50,7 @@ def optimizer_groups(
     ``model_order`` (the model's parameter names before a pipeline split): the ranks hold different
     parameters, so every rank's groups are gathered (one object collective) and ordered by it.
     """
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for n, p in module.named_parameters()}  # a tied parameter: its first name, as torch keys it
     local = [[[names[id(p)] for p in group["params"]] for group in opt.param_groups] for opt in optimizers]
     if model_order is None or not dist.is_initialized():
         return local

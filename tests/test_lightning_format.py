@@ -44,3 +44,22 @@ def test_positions_follow_the_optimizer_groups_both_ways() -> None:
 def test_not_torch_optim_format_is_refused() -> None:
     with pytest.raises(FormatError, match="not torch.optim's format"):
         from_positional({"state.x.exp_avg": torch.zeros(1)}, [["x"]], "ckpt")
+
+
+def test_tied_parameters_take_the_name_torch_keys_their_state_by() -> None:
+    """A tied embedding/head (as with tie_word_embeddings) has one position; torch's optimizer state dict keys it by
+    its first name, and the positional round trip must use that same name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = nn.Module()
+    model.emb, model.head = nn.Embedding(4, 3), nn.Linear(3, 4, bias=False)
+    model.head.weight = model.emb.weight
+    opt = torch.optim.AdamW(model.parameters())
+    model.head(model.emb(torch.tensor([1]))).sum().backward()
+    opt.step()
+    groups = optimizer_groups(model, [opt])[0]
+    assert groups == [["emb.weight"]]
+    flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    back = from_positional(to_positional(flat, groups, hyper), groups, "ckpt")
+    assert torch.equal(back["state.emb.weight.exp_avg"], flat["state.emb.weight.exp_avg"])
