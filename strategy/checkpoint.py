@@ -89,10 +89,6 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def is_rank_zero() -> bool:
-    return rank() == 0
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -205,8 +201,8 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Load model (and optimizer) shards into the current layout; return Lightning's state.
 
-    Also reads the sharded directories of Lightning's ModelParallelStrategy and FSDPStrategy. DCP reads each parameter by its original name and reshards it to this layout, so a checkpoint
-    from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
+    Also reads the sharded directories of Lightning's ModelParallelStrategy and FSDPStrategy. DCP reads
+    each parameter by its original name and reshards it to this layout, so a checkpoint from any pp x dp x tp layout (or one process) loads here. Each rank's RNG state is restored
     when the world size is the same as at save time. A checkpoint saved without optimizer state
     (``save_weights_only``) loads the model only. ``weights_only`` is Lightning's and torch's
     flag for the pickled Lightning state in ``meta.pt``: ``None`` means ``True``.

@@ -39,9 +39,12 @@ class Checkpointer:
     Args:
         format: ``"sharded"`` or ``"full"``: what :meth:`save` writes (either loads).
         async_save: Write in the background once the state is copied to host memory.
+        barrier: Waits for every rank (the strategy's barrier): :meth:`link` ends with it.
     """
 
-    def __init__(self, format: str = "sharded", async_save: bool = False) -> None:
+    def __init__(
+        self, format: str = "sharded", async_save: bool = False, barrier: Callable[[], None] = lambda: None
+    ) -> None:
         self.format = format
         self.async_save = async_save
         # Advanced: a callable (directory -> DCP StorageWriter) to write sharded checkpoints elsewhere or differently.
@@ -53,7 +56,7 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._deferred_removals: list[Path] = []
         self._resume_skip = 0
-        self._barrier: Callable[[], None] = lambda: None
+        self._barrier = barrier
 
     @property
     def format(self) -> str:
@@ -136,17 +139,16 @@ class Checkpointer:
         """ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
         and never while a `last` link still points to it (it is deleted once the link has moved)."""
         self.wait()
-        if ckpt.is_rank_zero():
+        if ckpt.rank() == 0:
             if not path.is_symlink() and _linked_from(path):
                 self._deferred_removals.append(path)
             else:
                 ckpt.remove_path(path)
 
-    def guard_callbacks(self, callbacks: list[Any], barrier: Callable[[], None]) -> None:
+    def guard_callbacks(self, callbacks: list[Any]) -> None:
         """Route ``ModelCheckpoint(save_last="link")``'s link update through :meth:`link`."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        self._barrier = barrier
         for callback in callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
                 compat.route_link_checkpoint(callback, self.link)
@@ -155,7 +157,7 @@ class Checkpointer:
         """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
         self.wait()
         target, link = Path(filepath), Path(linkpath)
-        if ckpt.is_rank_zero() and target.absolute() != link.absolute():
+        if ckpt.rank() == 0 and target.absolute() != link.absolute():
             fresh = link.with_name(f".{link.name}.link")
             ckpt.remove_path(fresh)
             fresh.symlink_to(os.path.relpath(target, link.parent))

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# The child-process command and the script launcher Cuboid's sweep-safe launcher extends (no public launcher API).
-from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd as basic_subprocess_cmd  # noqa: F401
+from torch import nn
 
 # --- lightning -----------------------------------------------------------------------------------------------
+# isort: off
 # Creating the default process group from a ClusterEnvironment (MASTER_ADDR/PORT, rank, world size, and the
 # NCCL teardown at exit), exactly as Lightning's own strategies do.
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
@@ -40,10 +39,13 @@ from lightning.fabric.utilities.init import _materialize_distributed_module as m
 # Per-rank RNG states in checkpoints, in the layout Lightning's own checkpoints use.
 from lightning.fabric.utilities.seed import _collect_rng_states as collect_rng_states  # noqa: F401
 from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  # noqa: F401
+
+# The child-process command and the script launcher Cuboid's sweep-safe launcher extends (no public launcher API).
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd as basic_subprocess_cmd  # noqa: F401
 from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
-from torch import nn
+# isort: on
 
 
 def distributed_is_initialized() -> bool:

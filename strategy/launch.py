@@ -156,7 +156,6 @@ def check_before_launch(
             "host memory; with accelerator='cpu' they already are there. Set cpu_offload=False."
         )
     check_slurm_tasks(cluster_environment, num_nodes, num_processes)
-    forget_previous_launch()
 
 
 def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:

@@ -65,13 +65,12 @@ def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     gradients, ``use_cache=False`` and no cache object (unless the layer only reads it)."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    changed = dict(kwargs)
+    drop = [] if reads_kv_cache_only(module) else [n for n in _CACHE_KWARGS if kwargs.get(n) is not None]
+    if not (drop or kwargs.get("use_cache")):
+        return None  # nothing to change: no copy of the arguments on every block's forward
+    changed = {**kwargs, **dict.fromkeys(drop)}
     if changed.get("use_cache"):
         changed["use_cache"] = False
-    if not reads_kv_cache_only(module):
-        for name in _CACHE_KWARGS:
-            if changed.get(name) is not None:
-                changed[name] = None
     return args, changed
 
 

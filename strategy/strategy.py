@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from cuboid import compat, plans
 from cuboid.checkpoint_glue import Checkpointer
-from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit
+from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.parallelize import (
     ACMode,
@@ -150,7 +150,7 @@ class CuboidStrategy(ParallelStrategy):
         self.reshard_after_forward = self.pipelining.reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile
-        self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint)
+        self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._device_mesh: DeviceMesh | None = None
@@ -238,6 +238,7 @@ class CuboidStrategy(ParallelStrategy):
         check_before_launch(
             self.cluster_environment, self.num_nodes, self.num_processes, self.cpu_offload, self.root_device
         )
+        forget_previous_launch()
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CuboidLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -277,7 +278,7 @@ class CuboidStrategy(ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         check_no_fsdp1(lm)
-        self.checkpointer.guard_callbacks(trainer.callbacks, self.barrier)
+        self.checkpointer.guard_callbacks(trainer.callbacks)
         if is_parallelized_by_user(lm):
             compat.materialize_distributed_module(lm, self.root_device)
         else:
