@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -208,8 +207,17 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Pa
     while not sentinel.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
     assert sentinel.exists(), "the second save never started"
-    os.killpg(proc.pid, signal.SIGKILL)
+    # Kill the whole job: torchrun starts its workers in sessions of their own, so killing its process group
+    # left the stalled rank sleeping for minutes after the test.
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    job = [launcher, *launcher.children(recursive=True)]
+    for member in job:
+        member.kill()
+    _, alive = psutil.wait_procs(job, timeout=30)
     proc.wait(timeout=30)
+    assert not alive, alive
     ck = tmp_path / "ck"
     assert sorted(p.name for p in ck.iterdir()) == [".step=6.ckpt.tmp", "step=3.ckpt"]
     check_loadable(ck / "step=3.ckpt")
