@@ -82,14 +82,16 @@ class Checkpointer:
         checkpoint.pop("state_dict", None)
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
-        batches = trainer.fit_loop.epoch_loop.batch_progress
+        epoch, batches = trainer.fit_loop.epoch_progress.current, trainer.fit_loop.epoch_loop.batch_progress
+        # Lightning resumes mid-epoch only from an epoch its own counters call unfinished (started, not yet
+        # processed); a save at the epoch's end, after fit, or after max_steps stopped fit mid-epoch resumes with
+        # the next epoch from its start, which must not be skipped into.
+        mid_epoch = epoch.started > epoch.processed and not batches.is_last_batch
         checkpoint["cuboid"] = {
             "layout": layout_sizes,
             "world_size": dist.get_world_size(),
-            # Batches of the current epoch already trained: a resume skips them (mid-epoch resume). After the
-            # epoch's last batch (a save at the epoch's end, or after fit) Lightning resumes with the next
-            # epoch, which must not be skipped into.
-            "batches_done_in_epoch": 0 if batches.is_last_batch else batches.current.processed,
+            # batches of the current epoch already trained: a mid-epoch resume skips them
+            "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
         }
         self.wait()
         fmt = FORMATS[self.format]

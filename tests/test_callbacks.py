@@ -53,6 +53,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         for path in (f"epoch-end-{fmt}/epoch=0-step=12.ckpt", f"after-fit-{fmt}.ckpt"):
             name = f"resume-{path.split('/')[0].replace('.ckpt', '')}"
             launches[2].append({"name": name, "strategy": {}, "epochs": 2, "resume_from": str(out / path)})
+    # a fit stopped by max_steps in the middle of epoch 0: Lightning counts that epoch as done and resumes with
+    # epoch 1 from its first batch (Cuboid had skipped 6 batches of epoch 1)
+    launches[2].append({"name": "stopped-at-step-6", "strategy": {}, "max_steps": 6,
+                        "save_after_fit": str(out / "stopped.ckpt")})  # fmt: skip
+    launches[2].append(
+        {"name": "resume-stopped", "strategy": {}, "epochs": 2, "resume_from": str(out / "stopped.ckpt")}
+    )
     # and a third-party model: transformers' Qwen3 at tp2, saved at the epoch's end, resumed at dp2
     launches[2].append(
         {"name": "epoch-end-qwen3", "model": "hf_qwen3", "strategy": TP2, "save_epoch_end": str(out / "qwen3")}
@@ -103,3 +110,17 @@ def test_end_of_epoch_resume_of_a_third_party_model(results) -> None:
     assert len(got["losses"]) == 12, len(got["losses"])
     rel, err = parity_errors(got, ref, slice(12, 24))
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+
+
+@pytest.mark.slow
+def test_a_fit_stopped_by_max_steps_resumes_with_the_next_epoch_from_its_start(results) -> None:
+    """Lightning resumes a checkpoint saved after max_steps stopped fit mid-epoch with the next epoch; the data
+    follows it: epoch 1's 12 batches, from its first (the global batches of the epoch-1 permutation, in order)."""
+    from parity_lib import GLOBAL_BATCH, SEED
+
+    got = results["resume-stopped"]
+    assert len(got["losses"]) == 12, len(got["losses"])
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(SEED + 1)).tolist()
+    for step in range(12):
+        seen = {i for facts in got["ranks"] for i in facts["seen"][step]}
+        assert seen == set(perm[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]), step
