@@ -36,50 +36,41 @@ class LlamaConfig:
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3's rotary frequency scaling ("llama3" rope type): ``rope_scaling`` is the factor (None: no scaling).
+    rope_scaling: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    # The output head shares the token embedding's weight (Llama 3.2 1B and 3B).
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def num_params(self) -> int:
-        """Parameter count (embedding and output head counted separately, untied)."""
+        """Parameter count (a tied output head counted once)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.ffn_dim
         block = attn + mlp + 2 * self.dim
-        return self.n_layers * block + 2 * self.vocab_size * self.dim + self.dim
+        heads = 1 if self.tie_embeddings else 2
+        return self.n_layers * block + heads * self.vocab_size * self.dim + self.dim
 
 
 # Named sizes, one registry of plain data (litgpt-style; conf/model/*.yaml are generated from it by
-# scripts/model_configs.py). 8b and 70b follow Meta's Llama 3.1 model cards, 1b the Llama 3.2 1B shape (embeddings untied here: 1.5B parameters);
-# 150m is a GPT-2-small-sized member of the family (153M).
+# scripts/model_configs.py). 8b and 70b are Meta's Llama 3.1 8B and 70B, 1b and 3b Llama 3.2 1B and 3B (tied
+# embeddings), field for field with their Hugging Face config.json; 150m is a GPT-2-small-sized member of the family.
+_LLAMA31 = {"max_seq_len": 131072, "rope_theta": 500000.0, "rope_scaling": 8.0}
+_LLAMA32 = {**_LLAMA31, "rope_scaling": 32.0, "tie_embeddings": True}
 CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(),
     "150m": LlamaConfig(
         vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=3072, max_seq_len=2048
     ),
-    "1b": LlamaConfig(
-        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=8192
-    ),
-    "8b": LlamaConfig(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "70b": LlamaConfig(
-        vocab_size=128256,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, **_LLAMA32),
+    "3b": LlamaConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, **_LLAMA32),
+    "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **_LLAMA31),
+    "70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **_LLAMA31),
 }
 
 # Tensor-parallel plan as plain data: module-name glob (relative to the Llama module) -> style.
@@ -111,20 +102,40 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """Rotary angles as a ``(seq_len, head_dim // 2, 2)`` tensor of cos and sin (fp32)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (fp32, ``head_dim // 2``), with Llama 3's scaling when ``cfg.rope_scaling`` is set:
+    wavelengths longer than ``original / low_freq_factor`` are divided by the factor, shorter than ``original /
+    high_freq_factor`` kept, and the band between interpolated smoothly (Hugging Face's "llama3" rope type)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_scaling is None:
+        return inv_freq
+    factor, low, high, old = (
+        cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len
+    )  # fmt: skip
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cache(seq_len: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary angles as a ``(seq_len, head_dim)`` tensor of cos and sin stacked on a last dim of 2 (fp32); the
+    frequencies repeat over the two halves of a head (the rotate-half layout of Hugging Face's Llama)."""
+    angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``(b, s, heads, head_dim)`` by the angles in ``rope``."""
-    xr = x.float().unflatten(-1, (-1, 2))
+    """Rotate ``x`` of shape ``(b, s, heads, head_dim)``: the first half of each head pairs with the second."""
+    xf = x.float()
     cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
-    real = xr[..., 0] * cos - xr[..., 1] * sin
-    imag = xr[..., 0] * sin + xr[..., 1] * cos
-    return torch.stack((real, imag), dim=-1).flatten(-2).type_as(x)
+    first, second = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (xf * cos + rotated * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -193,6 +204,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(c) for i in range(c.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(c.dim, c.norm_eps)
         self.output: nn.Linear | None = nn.Linear(c.dim, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         torch.set_rng_state(rng)
         self.init_weights()
 
@@ -204,6 +217,8 @@ class Llama(nn.Module):
         the projections that feed the residual stream; ones for norms. On the meta device this
         is a no-op, and Cuboid calls it again once the weights have real storage.
         """
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight  # re-tie: to_empty() gives each name its own tensor
         std = 0.02
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -214,9 +229,21 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
+    def pretrained_names(self) -> dict[str, str]:
+        """State-dict adapter for ``CuboidStrategy(pretrained=...)``: each of our parameter names -> its name in a
+        Hugging Face Llama weights file (a tied output head maps to the embedding, as the file holds one)."""
+        names = {name: hf_name(name) for name, _ in self.named_parameters(remove_duplicate=False)}
+        if self.cfg.tie_embeddings:
+            names["output.weight"] = names["tok_embeddings.weight"]
+        return names
+
+    def check_pretrained_config(self, config: dict) -> list[str]:
+        """Differences between this model and a Hugging Face ``config.json`` found beside the weights."""
+        return check_hf_config(self.cfg, config)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = rope_cache(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        rope = rope_cache(h.shape[1], rope_frequencies(self.cfg).to(h.device))
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:
@@ -224,7 +251,8 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
-# Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside.
+# Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside. The weights
+# themselves are laid out alike (rotate-half rotary pairs), so the names are the whole mapping.
 _HF_BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -243,26 +271,16 @@ _HF_OTHER_NAMES = {
 }
 
 
-def _rope_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder q/k projection rows from interleaved rotary pairs (ours) to rotate-half (Hugging Face)."""
-    rows, cols = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+def hf_name(name: str) -> str:
+    """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names (relative to :class:`Llama`)."""
+    if name in _HF_OTHER_NAMES:
+        return _HF_OTHER_NAMES[name]
+    _, index, suffix = name.split(".", 2)  # layers.<i>.<suffix>
+    return f"model.layers.{index}.{_HF_BLOCK_NAMES[suffix]}"
 
 
-def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """Our Llama's weights (names relative to the model) as a Hugging Face ``LlamaForCausalLM``
-    state dict, plus the matching ``config.json`` contents."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name in _HF_OTHER_NAMES:
-            out[_HF_OTHER_NAMES[name]] = tensor
-            continue
-        _, index, suffix = name.split(".", 2)  # layers.<i>.<suffix>
-        if suffix == "attention.wq.weight":
-            tensor = _rope_halves(tensor, cfg.n_heads)
-        elif suffix == "attention.wk.weight":
-            tensor = _rope_halves(tensor, cfg.n_kv_heads)
-        out[f"model.layers.{index}.{_HF_BLOCK_NAMES[suffix]}"] = tensor
+def hf_config(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` contents of the Hugging Face ``LlamaForCausalLM`` equal to ``cfg``."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -277,8 +295,40 @@ def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "hidden_act": "silu",
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
     }
-    return out, config
+    if cfg.rope_scaling is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    return config
+
+
+def check_hf_config(cfg: LlamaConfig, config: dict) -> list[str]:
+    """Where a Hugging Face ``config.json`` describes another model than ``cfg`` (empty when they agree)."""
+    ours = hf_config(cfg)
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theirs = {**config, "rope_theta": config.get("rope_theta", scaling.get("rope_theta"))}
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rope_theta", "tie_word_embeddings", "rms_norm_eps"]  # fmt: skip
+    wrong = [f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys if k in theirs and theirs[k] != ours[k]]
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling.get("factor")
+        if factor != cfg.rope_scaling:
+            wrong.append(f"rope scaling factor: {factor!r} there, {cfg.rope_scaling!r} here")
+    elif cfg.rope_scaling is not None:
+        wrong.append(f"rope scaling: none there, llama3 x{cfg.rope_scaling} here")
+    return wrong
+
+
+def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Our Llama's weights (names relative to the model) as a Hugging Face ``LlamaForCausalLM`` state dict, plus
+    the matching ``config.json`` contents. A tied output head is left out, as Hugging Face saves it."""
+    skip = {"output.weight"} if cfg.tie_embeddings else set()
+    return {hf_name(name): tensor for name, tensor in state.items() if name not in skip}, hf_config(cfg)

@@ -126,11 +126,14 @@ def checkpoint_module(module: nn.Module, **kwargs: Any) -> None:
     checkpoint(module, **kwargs)
 
 
-def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Apply ``fn`` to every tensor a module keeps, through ``nn.Module._apply``: what ``to`` and ``to_empty`` use,
-    and what FSDP2 (re-registers its sharded parameters) and torchmetrics (moves states and defaults) override.
-    Needed to materialize only some tensors (the meta ones)."""
-    module._apply(fn)
+def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:
+    """Apply ``fn`` to every tensor a module keeps (its own only, with ``recurse=False``), through
+    ``nn.Module._apply``: what ``to`` and ``to_empty`` use, and what FSDP2 (re-registers its sharded parameters) and
+    torchmetrics (moves states and defaults) override. Needed to materialize only some tensors (the meta ones)."""
+    if recurse:
+        module._apply(fn)  # torchmetrics' Metric._apply takes no ``recurse``
+    else:
+        module._apply(fn, recurse=False)
 
 
 def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -1,22 +1,24 @@
-"""Giving parameters real values: the same initial weights on every layout.
+"""Giving parameters real values: the same initial weights on every layout, never the whole model on one rank.
 
 Two cases:
 
 * The model was built with real weights (the usual ``__init__``). Every rank seeded the same
   way, but to be safe against unseeded construction, rank 0's values are broadcast to all ranks
-  before anything is sharded (as DDP does).
+  (as DDP does), one tensor at a time. Parameters stay in host memory until ``fully_shard`` moves each
+  block's to the accelerator as it shards it.
 * The model was built on the meta device (``with torch.device("meta")`` in ``configure_model``),
   so a model too large for one accelerator never materializes there. Cuboid keeps a meta copy
-  of each top-level child, shards the original, gives its *meta* tensors empty storage on the
-  device, and rank 0 initialises the copy on *host* memory with the model's own recipe
-  (``init_weights()`` where a module defines it, else ``reset_parameters()``); then the values of
-  the tensors that were on meta are scattered shard by shard with
-  ``set_model_state_dict(..., broadcast_from_rank0=True)``. This avoids DTensor random init, which
-  on CPU writes the same numbers into every shard.
+  (a twin) of each top-level child, shards the original and gives its *meta* tensors empty storage. Then rank 0
+  walks the twin piece by piece (a block, or one module's own tensors such as the embedding), gives that piece
+  host storage, runs the model's own init (``init_weights()`` where a module defines it, else
+  ``reset_parameters()``), broadcasts the piece tensor by tensor and frees it; every rank keeps its slice. The
+  init runs over the whole twin each time, but draws random numbers only for the piece's real tensors, so the
+  values equal one full init of the model. This avoids DTensor random init, which on CPU writes the same numbers
+  into every shard.
 
 Only what was on the meta device is materialized: a torchmetrics metric or a submodule built for
 real in ``__init__`` (beside a model built on meta in ``configure_model``) keeps its values, and
-they are broadcast from rank 0 like a model built for real.
+they are broadcast from rank 0 like a model built for real. What ``pretrained=`` fills is skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cuboid.compat import module_apply
 
@@ -41,10 +43,13 @@ def meta_names(module: nn.Module) -> set[str]:
     return {name for name, tensor in tensors if tensor.is_meta}
 
 
-def to_device_except_meta(module: nn.Module, device: torch.device) -> None:
-    """Move every real tensor to ``device`` (parameters, buffers, and what modules keep through ``_apply``, such
-    as torchmetrics states); meta tensors stay on meta. ``nn.Module.to`` would fail on the meta ones."""
-    module_apply(module, lambda t: t if t.is_meta else t.to(device))
+def to_device_except_parameters(module: nn.Module, device: torch.device) -> None:
+    """Move the real tensors that are not parameters to ``device`` (buffers, and what modules keep through
+    ``_apply``, such as torchmetrics states); meta tensors stay on meta. Parameters stay where they were built:
+    ``fully_shard`` moves each block's to the accelerator as it shards it, so a model built for real is never
+    whole there."""
+    params = {id(p) for p in module.parameters()}
+    module_apply(module, lambda t: t if t.is_meta or id(t) in params else t.to(device))
 
 
 def materialize_meta(module: nn.Module, device: torch.device) -> None:
@@ -57,14 +62,21 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
     module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
-def broadcast_from_rank0(module: nn.Module) -> None:
-    """Overwrite every real parameter and buffer with rank 0's values (plain, unsharded tensors; meta ones skipped)."""
+def broadcast_from_rank0(module: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """Overwrite every real parameter and buffer with rank 0's values (plain, unsharded tensors; meta ones and
+    the names in ``skip`` left alone), one tensor at a time through ``device`` when it lives elsewhere."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not tensor.is_meta:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.is_meta or name in skip:
+                continue
+            if tensor.device == device:
                 dist.broadcast(tensor.data, src=0)
+            else:
+                staged = tensor.data.to(device)
+                dist.broadcast(staged, src=0)
+                tensor.data.copy_(staged)
 
 
 def init_module(module: nn.Module) -> None:
@@ -84,31 +96,161 @@ def meta_twins(root: nn.Module) -> dict[str, nn.Module]:
     return {name: copy.deepcopy(child) for name, child in root.named_children() if has_meta_tensors(child)}
 
 
-def materialize_from_twins(
-    root: nn.Module, twins: dict[str, nn.Module], on_meta: set[str], device: torch.device
+def alias_groups(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
+    """Each tensor's first name -> all its names (a tied weight has several), parameters and buffers."""
+    groups: dict[int, list[str]] = {}
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        groups.setdefault(id(tensor), []).append(prefix + name)
+    return {names[0]: names for names in groups.values()}
+
+
+def init_pieces(twin: nn.Module, blocks: set[str]) -> list[tuple[nn.Module, bool]]:
+    """The pieces rank 0 initialises one at a time, in the order of the module's tensors: each block whole
+    ``(block, True)``, and each other module's own tensors ``(module, False)`` (the embedding, a norm, the head)."""
+    pieces: list[tuple[nn.Module, bool]] = []
+
+    def walk(module: nn.Module, name: str) -> None:
+        if name in blocks:
+            pieces.append((module, True))
+            return
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            pieces.append((module, False))
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name)
+
+    walk(twin, "")
+    return pieces
+
+
+def _forget_init_flags(module: nn.Module) -> None:
+    """Clear transformers' ``_is_hf_initialized`` marks, so that its ``init_weights`` runs again for the next piece."""
+    for m in module.modules():
+        m.__dict__.pop("_is_hf_initialized", None)
+    for t in [*module.parameters(), *module.buffers()]:
+        t.__dict__.pop("_is_hf_initialized", None)
+
+
+class InitError(RuntimeError):
+    """A tensor on the meta device that the model's own init left without values."""
+
+
+def _send(value: torch.Tensor | None, like: torch.Tensor, targets: list[torch.Tensor], device: torch.device) -> None:
+    """Broadcast one full tensor from rank 0 (``value``; ``None`` elsewhere) and copy each rank's slice of it into
+    ``targets`` (this rank's tensors of that name: a DTensor shard, a plain tensor, or none under pp)."""
+    buf = value.to(device) if value is not None else torch.empty(like.shape, dtype=like.dtype, device=device)
+    if dist.is_initialized():
+        dist.broadcast(buf, src=0)
+    for target in targets:
+        if isinstance(target, DTensor):
+            local = distribute_tensor(buf, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target.to_local().copy_(local)
+        else:
+            target.copy_(buf)
+
+
+@torch.no_grad()
+def materialize_streamed(
+    root: nn.Module,
+    twins: dict[str, nn.Module],
+    on_meta: set[str],
+    device: torch.device,
+    blocks: set[str],
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> None:
-    """Give the sharded ``root``'s meta tensors (``on_meta``: their names, taken before sharding) storage on
-    ``device`` and fill them from rank 0's host-side init; nothing else is touched."""
+    """Give the sharded ``root``'s meta tensors storage on ``device``, then fill those named in ``on_meta`` (less
+    ``skip``, which pretrained weights fill) from rank 0's host-side init, one piece at a time.
+
+    Rank 0 gives one piece of the meta twin host storage (a block, or one module's own tensors), runs the model's
+    own init over the whole twin (on the meta rest it draws no random numbers, so each piece gets exactly the
+    values a full init gives it when the init draws in tensor order, as ``init_weights``/``reset_parameters`` and
+    transformers' ``_init_weights`` do), broadcasts the piece tensor by tensor, and frees it. Every rank copies out
+    its own slice. Host memory on rank 0: one piece (the largest block, or the embedding), not the model.
+    """
     materialize_meta(root, device)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    full_state: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    if is_rank0:
-        with torch.random.fork_rng(devices=[]):
-            for name, twin in twins.items():
-                twin.to_empty(device="cpu")
-                init_module(twin)
-                full_state.update({f"{name}.{k}": v for k, v in twin.state_dict().items() if f"{name}.{k}" in on_meta})
-                buffers.update({f"{name}.{k}": v for k, v in twin.named_buffers() if f"{name}.{k}" in on_meta})
-    set_model_state_dict(
-        root, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    )
-    # Non-persistent buffers are not in the state dict: send them separately.
-    with torch.no_grad():
-        for name, buf in root.named_buffers():
-            if name not in on_meta:
-                continue
-            if is_rank0:
-                buf.copy_(buffers[name])
-            if dist.is_initialized():
-                dist.broadcast(buf, src=0)
+    current = {
+        **dict(root.named_parameters(remove_duplicate=False)),
+        **dict(root.named_buffers(remove_duplicate=False)),
+    }
+    with torch.random.fork_rng(devices=[]):
+        for twin_name, twin in twins.items():
+            prefix = f"{twin_name}."
+            groups = alias_groups(twin, prefix)
+            local_blocks = {b[len(prefix) :] for b in blocks if b.startswith(prefix)}
+            for piece, recurse in init_pieces(twin, local_blocks):
+                names = [
+                    (first, tensor)
+                    for first, tensor in _piece_tensors(twin, piece, recurse, groups, prefix)
+                    if first in on_meta and first not in skip
+                ]
+                if not names:
+                    continue
+                values = _init_piece(twin, piece, recurse, prefix, [n for n, _ in names]) if is_rank0 else None
+                _agree_on_init(values, [n for n, _ in names], device)
+                for first, like in names:
+                    targets = [current[n] for n in groups[first] if n in current]
+                    _send(values[first] if values is not None else None, like, _unique(targets), device)
+                if is_rank0:
+                    module_apply(twin, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"))
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
+
+
+def _piece_tensors(
+    twin: nn.Module, piece: nn.Module, recurse: bool, groups: dict[str, list[str]], prefix: str
+) -> list[tuple[str, torch.Tensor]]:
+    """The (first name, meta tensor) pairs a piece owns: tensors whose first name lies in it."""
+    by_id: dict[int, str] = {}
+    for n, t in [*twin.named_parameters(remove_duplicate=False), *twin.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(t), n)
+    tensors = [*piece.parameters(recurse=recurse), *piece.buffers(recurse=recurse)]
+    out, seen = [], set()
+    for t in tensors:
+        first = prefix + by_id[id(t)] if id(t) in by_id else None
+        if first is None or first not in groups or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((first, t))
+    return out
+
+
+def _blank(t: torch.Tensor) -> torch.Tensor:
+    """Host storage for a meta tensor: NaN where it can hold one, so that values the init never wrote are found."""
+    if not t.is_meta:
+        return t
+    fill = float("nan") if t.is_floating_point() or t.is_complex() else 0
+    return torch.full_like(t, fill, device="cpu")
+
+
+def _init_piece(
+    twin: nn.Module, piece: nn.Module, recurse: bool, prefix: str, names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Rank 0: host storage for one piece, the model's init over the whole twin, the piece's values by name."""
+    module_apply(piece, _blank, recurse)
+    _forget_init_flags(twin)
+    init_module(twin)
+    tensors = [*twin.named_parameters(remove_duplicate=False), *twin.named_buffers(remove_duplicate=False)]
+    state = {prefix + n: t for n, t in tensors}
+    return {n: state[n] for n in names}
+
+
+def _agree_on_init(values: dict[str, torch.Tensor] | None, names: list[str], device: torch.device) -> None:
+    """Every rank stops together when rank 0's init left a tensor without values (still NaN)."""
+    bad = -1
+    if values is not None:
+        bad = next((i for i, n in enumerate(names) if values[n].is_floating_point() and values[n].isnan().any()), -1)
+    flag = torch.tensor([bad], device=device)
+    if dist.is_initialized():
+        dist.broadcast(flag, src=0)
+    if int(flag.item()) >= 0:
+        name = names[int(flag.item())]
+        raise InitError(
+            f"{name} was built on the meta device and the model's init (init_weights() or reset_parameters()) "
+            "gave it no value (a non-persistent buffer computed in __init__, or a parameter no init covers). "
+            "Set it in the module's init_weights()/reset_parameters(), or build that module for real (outside "
+            "the meta device); a pretrained= source fills only what its weights file holds."
+        )

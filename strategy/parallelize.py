@@ -8,6 +8,7 @@ None of these change parameter names (FQNs), so checkpoints read the same on any
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, Literal, get_args
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from cuboid import materialize, plans
+from cuboid import pretrained as pretrained_weights
 from cuboid.compat import SDPA_OPS, checkpoint_module, reads_kv_cache_only
 from cuboid.layout import fsdp_mesh
 
@@ -163,6 +165,7 @@ def parallelize_lightning_module(
     compile: bool,
     reshard_after_forward: bool | int,
     cpu_offload: bool,
+    pretrained: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Shard a whole LightningModule on ``mesh``; returns its blocks.
 
@@ -171,10 +174,12 @@ def parallelize_lightning_module(
     or (pp > 1) ``pipelining`` keeps this rank's stages and parallelizes each; the meta tensors are
     materialized from the twins once sharded, and the pipeline schedule is built last.
     """
+    sources = pretrained_weights.plan_all(lm, pretrained or {})  # every source checked before any work
+    loaded = set().union(*(plan.lightning_names() for plan in sources))
     on_meta = materialize.meta_names(lm)
-    twins = materialize.meta_twins(lm) if on_meta else {}
-    materialize.to_device_except_meta(lm, device)
-    materialize.broadcast_from_rank0(lm)  # what was built for real: rank 0's values everywhere
+    twins = materialize.meta_twins(lm) if on_meta - loaded else {}
+    materialize.to_device_except_parameters(lm, device)
+    materialize.broadcast_from_rank0(lm, device, skip=loaded)  # what was built for real: rank 0's values everywhere
     blocks = plans.find_blocks(lm, block_container)
     common = {
         "tp_mesh": mesh["tp"],
@@ -192,10 +197,46 @@ def parallelize_lightning_module(
         parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
         parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
     if on_meta:
-        materialize.materialize_from_twins(lm, twins, on_meta, device)
+        block_names = {name for name, _ in blocks}
+        materialize.materialize_streamed(lm, twins, on_meta, device, block_names, skip=loaded)
+    for plan in sources:
+        pretrained_weights.load(lm, plan)
+    average_stray_gradients(lm, report_stray_parameters(lm), mesh["dp"])
     if pipelining.enabled:
         pipelining.build_schedule(stage_modules, mesh, device)
     return blocks
+
+
+def report_stray_parameters(lm: nn.Module) -> list[str]:
+    """Warn, by name and size, about each parameter left outside every ``fully_shard`` unit (one the
+    LightningModule holds itself): it is not sharded and every rank keeps it whole. Returns the names."""
+    stray = [(n, p) for n, p in lm.named_parameters() if not isinstance(p, DTensor)]
+    if stray:
+        listed = ", ".join(f"{n} ({p.numel():,} elements)" for n, p in stray[:10])
+        warnings.warn(
+            f"{len(stray)} parameter(s) outside every FSDP unit, replicated whole on every rank (their gradients "
+            f"are averaged over the data-parallel ranks, as DDP does): {listed}. Cuboid shards the top-level "
+            "submodules of the LightningModule and their blocks; move these into a submodule (e.g. "
+            "self.head = nn.Linear(...)) to shard them.",
+            stacklevel=2,
+        )
+    return [n for n, _ in stray]
+
+
+def average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh) -> None:
+    """Keep replicated (stray) parameters in step: average each one's gradient over the data-parallel ranks as
+    it is accumulated (FSDP2 reduces only the parameters it manages)."""
+    if dp_mesh.size() == 1:
+        return
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+
+    def average(param: torch.Tensor) -> None:
+        torch.distributed.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    params = dict(lm.named_parameters())
+    for name in names:
+        params[name].register_post_accumulate_grad_hook(average)
 
 
 def check_no_fsdp1(module: nn.Module) -> None:

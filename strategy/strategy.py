@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from cuboid import compat, plans
+from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
@@ -91,6 +92,14 @@ class CuboidStrategy(ParallelStrategy):
             parameter by parameter into rank 0's host memory (models whose weights and optimizer
             state fit there); also a plain Lightning checkpoint (``load_from_checkpoint`` reads it).
             Both resume on any layout, and either loads whatever ``checkpoint_format`` is set.
+        pretrained: Submodule name of the LightningModule -> weights to fill it with after sharding, e.g.
+            ``{"model": "/ckpt/Llama-3.1-8B"}``. A Hugging Face model directory (``model.safetensors`` or
+            sharded files with ``model.safetensors.index.json``), one ``.safetensors`` file, or a Cuboid
+            checkpoint (its weights only). Build the submodule on the meta device (in ``configure_model``, or
+            ``CausalLM(meta_init=True)``): each rank then reads only the slices it holds. Names match 1:1, with
+            the submodule's prefix, or through the submodule's ``pretrained_names()`` adapter (Cuboid's Llama
+            has one for Hugging Face Llama files). Missing, unexpected or misshapen tensors stop setup, with
+            the list, before anything is loaded. ``None`` values are ignored (Hydra's empty default).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
@@ -115,6 +124,7 @@ class CuboidStrategy(ParallelStrategy):
         compile: bool = False,
         async_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
+        pretrained: Mapping[str, str | Path | None] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -150,6 +160,7 @@ class CuboidStrategy(ParallelStrategy):
         self.reshard_after_forward = self.pipelining.reshard_after_forward
         self.cpu_offload = cpu_offload
         self.compile = compile
+        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -280,7 +291,10 @@ class CuboidStrategy(ParallelStrategy):
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
         if is_parallelized_by_user(lm):
+            sources = pretrained_weights.plan_all(lm, self.pretrained)
             compat.materialize_distributed_module(lm, self.root_device)
+            for source in sources:
+                pretrained_weights.load(lm, source)
         else:
             self._parallelize(lm)
         self.model_to_device()
@@ -309,6 +323,7 @@ class CuboidStrategy(ParallelStrategy):
             compile=self.compile,
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
+            pretrained=self.pretrained,
         )
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
