@@ -10,7 +10,7 @@ parameters, so they are summed, never de-duplicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,14 @@ def _counts_here(tensor: torch.Tensor, coords: Mapping[str, int], flattened: Map
 
 
 def global_grad_norm(
-    parameters: Iterable[torch.Tensor], mesh: DeviceMesh | None, flattened: Mapping[str, tuple[str, ...]]
+    parameters: Iterable[torch.Tensor],
+    mesh: DeviceMesh | None,
+    flattened: Mapping[str, tuple[str, ...]],
+    counted_elsewhere: Collection[int] = (),
 ) -> torch.Tensor:
-    """L2 norm of all gradients as if the model were on one device (fp64 sum, fp32 result)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    """L2 norm of all gradients as if the model were on one device (fp64 sum, fp32 result). ``counted_elsewhere``:
+    ids of parameters another rank counts (this rank's copy of a parameter tied across pipeline stages)."""
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
     device = grads[0].device if grads else torch.device("cpu")
     if mesh is None:
         coords: dict[str, int] = {}
@@ -60,13 +64,14 @@ def clip_grad_norm_(
     max_norm: float,
     mesh: DeviceMesh | None,
     flattened: Mapping[str, tuple[str, ...]],
+    counted_elsewhere: Collection[int] = (),
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, mesh, flattened)
+    norm = global_grad_norm(params, mesh, flattened, counted_elsewhere)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

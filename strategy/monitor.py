@@ -71,7 +71,8 @@ class CuboidMonitor(L.Callback):
         if not trainer.gradient_clip_val:  # no clipping: measure the norm here (all ranks take part)
             mesh = getattr(trainer.strategy, "_device_mesh", None)
             flattened = getattr(trainer.precision_plugin, "flattened_dims", {})
-            self._pending_norm = global_grad_norm(pl_module.parameters(), mesh, flattened)
+            elsewhere = getattr(trainer.precision_plugin, "counted_elsewhere", ())
+            self._pending_norm = global_grad_norm(pl_module.parameters(), mesh, flattened, elsewhere)
 
     @override
     def on_train_batch_end(

@@ -102,6 +102,20 @@ def find_pipeline_split(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
     return PipelineSplit(owner_name, container_name, list(container.keys()), pre, post)
 
 
+def tied_across_stages(owner: nn.Module, split: PipelineSplit) -> list[list[str]]:
+    """Groups of names (relative to ``owner``) of one parameter shared by a piece before the blocks and one after
+    (tied input and output embeddings): the first and last stages each hold a copy."""
+    groups: dict[int, list[str]] = {}
+    for name, param in owner.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    pre, post = tuple(f"{n}." for n in split.pre), tuple(f"{n}." for n in split.post)
+    return [
+        names
+        for names in groups.values()
+        if any(n.startswith(pre) for n in names) and any(n.startswith(post) for n in names)
+    ]
+
+
 def stage_blocks(n_blocks: int, n_stages: int, split: Sequence[int] | None) -> list[list[int]]:
     """Block indices per stage: an even split, or ``split`` (blocks per stage)."""
     if split is None:

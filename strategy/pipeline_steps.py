@@ -68,6 +68,11 @@ class Pipelining:
         self.runner: pipeline.PipelineRunner | None = None
         self._owner = ""
         self._stashed_grads: list[Tensor | None] = []
+        self._tied: list[nn.Parameter] = []
+        self._tied_names: list[list[str]] = []
+        self._owner_module: nn.Module | None = None
+        self._tied_group: Any = None
+        self.counted_elsewhere: set[int] = set()  # ids of parameters the global gradient norm counts on another rank
 
     @property
     def enabled(self) -> bool:
@@ -86,7 +91,16 @@ class Pipelining:
         pp_rank = mesh["pp"].get_local_rank()
         my_stages = pipeline.stage_ids(pp_rank, self.pp, self.virtual_stages, self.schedule)
         owner = getattr(lm, split.owner)
+        tied = pipeline.tied_across_stages(owner, split)
+        if tied and self.schedule in pipeline.V_SHAPED:
+            raise pipeline.PipelineError(
+                f"{split.owner}.{tied[0][0]} is tied to {split.owner}.{tied[0][-1]} (shared input and output "
+                f"embeddings), and {self.schedule!r} puts the first and the last stage on one rank, where one "
+                "parameter cannot belong to two stages. Use a looped schedule (1F1B, Interleaved1F1B, ...) or untie."
+            )
         _, stage_modules = pipeline.build_stages(owner, split, my_stages, per_stage)
+        self._tied_names, self._owner_module = tied, owner  # resolved once sharded (FSDP2 makes new parameters)
+
         prefix = f"{split.owner}."
         for stage in stage_modules:
             names = {n for n, _ in stage.named_modules()}
@@ -109,6 +123,35 @@ class Pipelining:
         self.runner = pipeline.PipelineRunner(
             stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank
         )
+        if self._tied_names:
+            self._tied_group = self._first_last_group(mesh, pp_group)
+            # This rank's copy of each tied parameter: its gradient is summed with the other end's after each step,
+            # and the global gradient norm counts it once, on the first stage.
+            held = dict(self._owner_module.named_parameters())
+            self._tied = [held[n] for names in self._tied_names for n in names if n in held]
+            # (By identity: attributes set on a DTensor parameter are lost when nn.Module._apply swaps its contents.)
+            self.counted_elsewhere = {
+                id(held[n]) for names in self._tied_names if names[0] not in held for n in names[1:] if n in held
+            }
+
+    def _first_last_group(self, mesh: Any, pp_group: Any) -> Any:
+        """The process group of this rank's first and last pp ranks (same dp/tp coordinates); made on every rank."""
+        if self.pp == 2:
+            return pp_group
+        ranks = mesh.mesh.reshape(self.pp, -1)
+        mine = None
+        for column in range(ranks.shape[1]):
+            pair = [int(ranks[0, column]), int(ranks[-1, column])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+        return mine
+
+    def _sum_tied_grads(self) -> None:
+        for param in self._tied:
+            if param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                dist.all_reduce(grad, group=self._tied_group)
 
     def training_step(self, lm: Any, batch: Any, batch_idx: int, precision: Any, device: torch.device) -> Tensor:
         """Forward and backward of every microbatch; returns the microbatch-mean loss, the same on every rank."""
@@ -121,6 +164,7 @@ class Pipelining:
             p.grad = None
         with precision.train_step_context():
             loss = self.runner.run(lm, "training_step", batch, batch_idx, True, 1 / accumulate)
+        self._sum_tied_grads()
         # Lightning zeroes gradients *after* training_step (at a window start) and then calls backward:
         # keep the schedule's gradients aside until restore_grads() puts them back.
         self._stashed_grads = [

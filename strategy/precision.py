@@ -51,6 +51,7 @@ class CuboidPrecision(Precision):
         self.device_mesh = device_mesh
         self.flattened_dims: Mapping[str, tuple[str, ...]] = dict(flattened_dims or {})
         self.last_grad_norm: torch.Tensor | None = None
+        self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -87,4 +88,6 @@ class CuboidPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.last_grad_norm = clip_grad_norm_(params, float(clip_val), self.device_mesh, self.flattened_dims)
+        self.last_grad_norm = clip_grad_norm_(
+            params, float(clip_val), self.device_mesh, self.flattened_dims, self.counted_elsewhere
+        )

@@ -227,7 +227,10 @@ def _missing_and_unexpected(
     missing = [keys[names[0]] for names in groups.values() if keys[names[0]] not in source.tensors]
     unexpected = [k for k in pool if k not in wanted and k not in ignorable]
     for key in missing[:10]:
-        close = difflib.get_close_matches(key, pool, n=1, cutoff=0.5)
+        # a key the model does not use is the likelier counterpart (a renamed tensor) than one it does
+        close = difflib.get_close_matches(key, unexpected, n=1, cutoff=0.5) or difflib.get_close_matches(
+            key, pool, n=1, cutoff=0.5
+        )
         problems.append(f"missing {key!r}" + (f" (closest in the file: {close[0]!r})" if close else ""))
     if len(missing) > 10:
         problems.append(f"... {len(missing) - 10} more missing")

@@ -161,6 +161,7 @@ class CuboidStrategy(ParallelStrategy):
         self.cpu_offload = cpu_offload
         self.compile = compile
         self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
+        self._pretrained_loaded = False
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -290,13 +291,14 @@ class CuboidStrategy(ParallelStrategy):
         assert lm is not None
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
-        if is_parallelized_by_user(lm):
-            sources = pretrained_weights.plan_all(lm, self.pretrained)
+        if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
+            sources = [] if self._pretrained_loaded else pretrained_weights.plan_all(lm, self.pretrained)
             compat.materialize_distributed_module(lm, self.root_device)
             for source in sources:
                 pretrained_weights.load(lm, source)
         else:
             self._parallelize(lm)
+        self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -325,6 +327,7 @@ class CuboidStrategy(ParallelStrategy):
             cpu_offload=self.cpu_offload,
             pretrained=self.pretrained,
         )
+        self.precision_plugin.counted_elsewhere = self.pipelining.counted_elsewhere
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
             f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"

@@ -87,11 +87,15 @@ class Reference:
     params: dict[str, torch.Tensor]
 
 
-def reference_run(accumulate: int = 1, epochs: int = 1, clip: float | None = -1.0) -> Reference:
+def reference_run(
+    accumulate: int = 1, epochs: int = 1, clip: float | None = -1.0, initial: dict[str, torch.Tensor] | None = None
+) -> Reference:
     """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
-    not clipped)."""
+    not clipped), from :func:`initial_model` or the weights ``initial``."""
     max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
     model = initial_model()
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = TokenDataset()
     losses, norms = [], []

@@ -124,9 +124,14 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), **ADAMW)
 
 
-def reference_run(family: str, meta_init: bool = False, epochs: int = 1) -> Reference:
-    """Single-process fp32 training of ``family`` on the same global batches, clipped at ``CLIP[family]``."""
+def reference_run(
+    family: str, meta_init: bool = False, epochs: int = 1, initial: dict[str, torch.Tensor] | None = None
+) -> Reference:
+    """Single-process fp32 training of ``family`` on the same global batches, clipped at ``CLIP[family]``, from
+    :func:`initial_model` or the weights ``initial``."""
     model = initial_model(family, meta_init)
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = dataset(family)
     losses, norms = [], []
