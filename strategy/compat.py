@@ -177,3 +177,11 @@ def reads_kv_cache_only(module: nn.Module) -> bool:
     """transformers' flag for a decoder layer that only reads its KV cache, which may therefore keep it under
     gradient checkpointing (``GradientCheckpointingLayer._can_checkpoint_with_cache``)."""
     return bool(getattr(module, "_can_checkpoint_with_cache", False))
+
+
+def init_fake_process_group(world_size: int) -> None:
+    """A process group of ``world_size`` ranks held by this one process, whose collectives do nothing (torch's
+    ``fake`` backend, from ``torch.testing``): enough to build meshes and shard meta tensors for a dry run."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())

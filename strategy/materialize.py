@@ -59,7 +59,20 @@ def materialize_meta(module: nn.Module, device: torch.device) -> None:
     Goes through ``nn.Module._apply``, as ``to_empty`` does, so that FSDP2 (which re-registers its sharded
     parameters) and torchmetrics (which moves its states and defaults) see the change.
     """
+    tied = [names for names in alias_groups(module).values() if len(names) > 1]
     module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for names in tied:  # _apply gives each name of a shared meta parameter its own tensor: share it again
+        first = module.get_parameter(names[0]) if _is_parameter(module, names[0]) else None
+        for name in names[1:] if first is not None else []:
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner)
+            if sub._parameters.get(leaf) is not first:
+                sub._parameters[leaf] = first
+
+
+def _is_parameter(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf in module.get_submodule(owner)._parameters
 
 
 def broadcast_from_rank0(module: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
@@ -178,12 +191,14 @@ def materialize_streamed(
             prefix = f"{twin_name}."
             groups = alias_groups(twin, prefix)
             local_blocks = {b[len(prefix) :] for b in blocks if b.startswith(prefix)}
+            done: set[str] = set()
             for piece, recurse in init_pieces(twin, local_blocks):
                 names = [
                     (first, tensor)
                     for first, tensor in _piece_tensors(twin, piece, recurse, groups, prefix)
-                    if first in on_meta and first not in skip
+                    if first in on_meta and first not in skip and first not in done
                 ]
+                done.update(first for first, _ in names)  # a tied tensor: filled once, at its first name's piece
                 if not names:
                     continue
                 values = _init_piece(twin, piece, recurse, prefix, [n for n, _ in names]) if is_rank0 else None

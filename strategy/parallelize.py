@@ -152,6 +152,12 @@ def parallelize(
     apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
 
 
+def lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
+    """The FSDP roots of a LightningModule (its top-level children with parameters), each with its blocks."""
+    roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
+    return [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
+
+
 def parallelize_lightning_module(
     lm: nn.Module,
     mesh: DeviceMesh,
@@ -174,6 +180,12 @@ def parallelize_lightning_module(
     or (pp > 1) ``pipelining`` keeps this rank's stages and parallelizes each; the meta tensors are
     materialized from the twins once sharded, and the pipeline schedule is built last.
     """
+    direct = [n for n, _ in lm.named_parameters(recurse=False)]
+    if direct and pipelining.enabled:
+        raise TypeError(
+            f"{type(lm).__name__} holds parameters directly ({direct}); under pipeline parallelism every parameter "
+            "must belong to a stage. Move them into the model the LightningModule calls (e.g. self.model)."
+        )
     sources = pretrained_weights.plan_all(lm, pretrained or {})  # every source checked before any work
     loaded = set().union(*(plan.lightning_names() for plan in sources))
     on_meta = materialize.meta_names(lm)
@@ -193,9 +205,7 @@ def parallelize_lightning_module(
     if pipelining.enabled:
         stage_modules = pipelining.build_stages(lm, blocks, matched, common, mesh)
     else:
-        roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
-        parts = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
-        parallelize(parts, tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
+        parallelize(lightning_parts(lm, blocks), tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
     if on_meta:
         block_names = {name for name, _ in blocks}
         materialize.materialize_streamed(lm, twins, on_meta, device, block_names, skip=loaded)

@@ -121,15 +121,9 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
 def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> dict[str, tuple[nn.Module, str]]:
     """The tensor-parallel plan that applies to ``root`` (a LightningModule) at this ``tp``, checked.
 
-    ``plan``: the user's, else the model's own (:func:`find_model_plan`). Refuses, before any work, a module
-    holding parameters directly, a plan that does not fit ``tp``, and ``tp > 1`` without any plan.
+    ``plan``: the user's, else the model's own (:func:`find_model_plan`). Refuses, before any work, a plan that
+    does not fit ``tp``, and ``tp > 1`` without any plan.
     """
-    direct = [n for n, _ in root.named_parameters(recurse=False)]
-    if direct:
-        raise TypeError(
-            f"{type(root).__name__} holds parameters directly ({direct}); CuboidStrategy shards the modules the "
-            "LightningModule calls. Move these parameters into a submodule (e.g. self.model)."
-        )
     if tp == 1:
         return {}
     matched = match_plan(root, plan if plan is not None else find_model_plan(root))

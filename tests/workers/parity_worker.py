@@ -95,6 +95,21 @@ class NoModelCall(LlamaModule):
         return batch["tokens"].float().mean().requires_grad_()
 
 
+class StrayParameter(LlamaModule):
+    """A parameter the LightningModule holds itself, outside every block and submodule (a logit scale)."""
+
+    def __init__(self, meta_init: bool = False) -> None:
+        super().__init__(meta_init)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch["tokens"]
+        logits = self.model(tokens[:, :-1]) * self.logit_scale
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 def run_expecting_error(spec: dict, out_dir: Path) -> None:
     """Run a spec that must fail before training; rank 0 records the error message."""
     try:
@@ -145,9 +160,8 @@ def run(spec: dict, out_dir: Path) -> None:
         dataset = third_party.dataset(family, spec.get("samples", 96))
         clip = third_party.CLIP[family]
     else:
-        module = (NoModelCall if spec.get("module") == "no_model_call" else LlamaModule)(
-            meta_init=spec.get("meta_init", False)
-        )
+        kinds = {"no_model_call": NoModelCall, "stray_parameter": StrayParameter}
+        module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
         dataset = TokenDataset(n=spec.get("samples", 96))
         clip = CLIP[spec.get("accumulate", 1)]
     if spec.get("probe_module"):  # a real submodule made in __init__, beside a model built on meta: kept as is
@@ -197,7 +211,11 @@ def run(spec: dict, out_dir: Path) -> None:
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     val_loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp) if spec.get("validate") else None
     fit_kwargs = {"weights_only": spec["weights_only"]} if "weights_only" in spec else {}
-    trainer.fit(module, loader, val_loader, ckpt_path=spec.get("resume_from"), **fit_kwargs)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader, val_loader, ckpt_path=spec.get("resume_from"), **fit_kwargs)
     compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
@@ -226,6 +244,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         "compiled_graphs": compiled_graphs,
         "stopped_at": trainer.global_step,
+        "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
         "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir()) if spec.get("save_dir") else None,
         "best": str(Path(trainer.checkpoint_callback.best_model_path).name) if spec.get("monitor") else None,
