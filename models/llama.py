@@ -44,6 +44,15 @@ class LlamaConfig:
     # The output head shares the token embedding's weight (Llama 3.2 1B and 3B).
     tie_embeddings: bool = False
 
+    def __post_init__(self) -> None:
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, (int, float)):
+            raise TypeError(f"LlamaConfig.rope_scaling={self.rope_scaling!r}: a number (the factor) or None.")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: dim={self.dim} must divide by n_heads={self.n_heads}, and n_heads by "
+                f"n_kv_heads={self.n_kv_heads}."
+            )
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads

@@ -49,6 +49,11 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(
             f"Missing mandatory value: {', '.join(missing)}. Set it on the command line, e.g. {missing[0]}=VALUE."
         )
+    if cfg.get("require_pretrained") and not (cfg.strategy.get("pretrained") or {}).get("model"):
+        raise ValueError(
+            "this preset fine-tunes pretrained weights: set strategy.pretrained.model=PATH (a Hugging Face model "
+            "directory, a .safetensors file, or a Cuboid checkpoint)."
+        )
     if cfg.mode not in ("fit", "validate"):
         raise ValueError(f"mode={cfg.mode!r}: choose 'fit' (train) or 'validate' (evaluate, e.g. with ckpt_path=DIR).")
     if cfg.data.seq_len > cfg.model.max_seq_len:

@@ -50,8 +50,11 @@ def prepare_tokens(
     out: str | Path,
     max_bytes: int | None = None,
     patterns: Iterable[str] = DEFAULT_PATTERNS,
+    tokenizer: str | Path | None = None,
 ) -> tuple[Path, int]:
-    """Concatenate the UTF-8 bytes of text files into ``out`` (one uint8 token per byte).
+    """Concatenate the UTF-8 bytes of text files into ``out`` (one uint8 token per byte), or, with ``tokenizer``
+    (a Hugging Face model or tokenizer directory: the model you fine-tune), their token ids as uint32 with a
+    ``<out>.json`` beside it saying so (``max_bytes`` then caps tokens).
 
     Files are read in sorted order and separated by a blank line, so the same sources always give
     the same file. Writes to a temporary file of this process and renames it when complete, so
@@ -64,6 +67,8 @@ def prepare_tokens(
         raise DataError(f"no text files matching {list(patterns)} under {[str(s) for s in sources]}.")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        return _prepare_with_tokenizer(files, out, tmp, max_bytes, tokenizer)
     written = 0
     with open(tmp, "wb") as fh:
         for path in files:
@@ -83,6 +88,35 @@ def prepare_tokens(
     return out, written
 
 
+def _prepare_with_tokenizer(
+    files: list[Path], out: Path, tmp: Path, max_tokens: int | None, tokenizer: str | Path
+) -> tuple[Path, int]:
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    written = 0
+    with open(tmp, "wb") as fh:
+        for path in files:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            ids = np.asarray(tok(text + "\n\n", add_special_tokens=False)["input_ids"], dtype=np.uint32)
+            if max_tokens is not None:
+                ids = ids[: max_tokens - written]
+            ids.tofile(fh)
+            written += len(ids)
+            if max_tokens is not None and written >= max_tokens:
+                break
+    meta = {"dtype": "uint32", "vocab_size": len(tok), "tokenizer": str(tokenizer)}
+    Path(f"{tmp}.json").write_text(json.dumps(meta))
+    Path(f"{tmp}.json").replace(f"{out}.json")
+    tmp.replace(out)
+    return out, written
+
+
 def load_tokens(path: str | Path) -> np.memmap:
     path = Path(path)
     if not path.is_file():
@@ -92,6 +126,11 @@ def load_tokens(path: str | Path) -> np.memmap:
         )
     if path.stat().st_size == 0:
         raise DataError(f"data.path={str(path)!r} is empty (0 tokens). Re-run scripts/prepare_data.py on real text.")
+    sidecar = Path(f"{path}.json")  # written by prepare_data --tokenizer: token ids wider than a byte
+    if sidecar.is_file():
+        import json
+
+        return np.memmap(path, dtype=np.dtype(json.loads(sidecar.read_text())["dtype"]), mode="r")
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 

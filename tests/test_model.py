@@ -90,3 +90,34 @@ def test_model_size_configs_are_generated_from_the_code() -> None:
         [sys.executable, str(root / "scripts" / "model_configs.py"), "--check"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# Fields of Meta's published config.json files (meta-llama/Llama-3.2-1B; meta-llama/Llama-3.1-8B), as facts.
+_LLAMA32_1B = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+_LLAMA31_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "vocab_size": 128256,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "published"), [("1b", _LLAMA32_1B), ("8b", _LLAMA31_8B)])
+def test_named_sizes_are_the_published_llama_3_configs(name: str, published: dict) -> None:
+    from cuboid.models.llama import check_hf_config, hf_config
+
+    assert check_hf_config(CONFIGS[name], published) == []
+    ours = hf_config(CONFIGS[name])
+    for key, value in published.items():
+        assert ours[key] == value, (key, ours[key], value)
+    other = {**published, "rope_scaling": {**published["rope_scaling"], "factor": 2.0}}
+    assert check_hf_config(CONFIGS[name], other) == [
+        f"rope scaling factor: 2.0 there, {CONFIGS[name].rope_scaling} here"
+    ]

@@ -28,7 +28,9 @@ SMALL = ["data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4"]
 
 def train(tmp: Path, *overrides: str, timeout: float = 300, env: dict | None = None) -> str:
     sweep = ["-m"] if "-m" in overrides else []
-    args = [*sweep, f"data.cache_dir={tmp / 'cache'}", *SMALL, *(o for o in overrides if o != "-m")]
+    flags = [o for o in overrides if o.startswith("--config-name=")]  # before the overrides (argparse)
+    rest = [o for o in overrides if o != "-m" and o not in flags]
+    args = [*sweep, *flags, f"data.cache_dir={tmp / 'cache'}", *SMALL, *rest]
     if not sweep and not any(o.startswith("hydra.run.dir=") for o in overrides):
         args.append(f"hydra.run.dir={tmp / 'run'}")
     return run_checked([sys.executable, TRAIN, *args], timeout=timeout, env=env, cwd=tmp)
@@ -85,14 +87,41 @@ def test_default_job_logs_true_values_to_one_offline_wandb_run(tmp_path: Path) -
     assert (run_dir / "checkpoints" / "last.ckpt" / ".metadata").is_file()
 
 
-def _single_process_val_ppl(tmp: Path) -> float:
+def _single_process_val_ppl(tmp: Path, weights: dict[str, torch.Tensor] | None = None) -> float:
     task, data = debug_task(tmp)
+    if weights is not None:
+        task.model.load_state_dict(weights)
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in data.val_dataloader():
             total += float(task.loss(batch)) * batch.shape[0]
             count += batch.shape[0]
     return math.exp(total / count)
+
+
+@pytest.mark.slow
+def test_finetune_preset_starts_from_the_pretrained_weights(tmp_path: Path) -> None:
+    """``--config-name finetune`` with ``strategy.pretrained.model=DIR`` (a Hugging Face Llama directory, as
+    ``export --hf`` writes) validates exactly like those weights in one process, under dp2 x tp2."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from cuboid.models.llama import Llama, to_hf_llama
+
+    fields = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "debug.yaml"))
+    fields.pop("_target_")
+    cfg = LlamaConfig(**fields)
+    torch.manual_seed(77)
+    weights = Llama(cfg).state_dict()
+    state, config = to_hf_llama(weights, cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    train(tmp_path, "--config-name=finetune", "model=debug", "data=stdlib", f"strategy.pretrained.model={tmp_path / 'hf'}",
+          "mode=validate", "logger=none", "checkpoint=false", "strategy=fsdp_tp", "trainer.devices=4",
+          "trainer.limit_val_batches=1.0")  # fmt: skip
+    assert summary(tmp_path / "run")["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path, weights), rel=1e-5)
+    assert summary(tmp_path / "run")["val_ppl"] != pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-3)
 
 
 @pytest.mark.slow
@@ -330,3 +359,25 @@ def test_processes_preparing_the_same_token_file_at_once_all_succeed(tmp_path: P
     _, n = prepare_tokens([src], tmp_path / "alone.bin")
     assert out.read_bytes() == (tmp_path / "alone.bin").read_bytes() and n == out.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alone.bin", "src", "tokens.bin"]  # no temporaries left
+
+
+def test_prepare_data_with_a_model_tokenizer_writes_its_token_ids(tmp_path: Path) -> None:
+    """``prepare_data.py --tokenizer DIR``: the model's own token ids (uint32, with a sidecar saying so), which
+    ``TokenDataModule`` reads back as they were written."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = ["hello", "world", "cuboid", "[UNK]"]
+    inner = Tokenizer(models.WordLevel({w: 1000 + i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.txt").write_text("hello world cuboid hello")
+    out = tmp_path / "data.tok"
+    run_checked([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(tmp_path / "text.txt"), "--out",
+                 str(out), "--tokenizer", str(tmp_path / "tok")], timeout=120)  # fmt: skip
+    expected = AutoTokenizer.from_pretrained(tmp_path / "tok")("hello world cuboid hello\n\n")["input_ids"]
+    assert expected[:4] == [1000, 1001, 1002, 1000]
+    from cuboid.data import load_tokens
+
+    assert load_tokens(out).tolist() == expected and json.loads(Path(f"{out}.json").read_text())["dtype"] == "uint32"
