@@ -65,6 +65,11 @@ class LlamaConfig:
         heads = 1 if self.tie_embeddings else 2
         return self.n_layers * block + heads * self.vocab_size * self.dim + self.dim
 
+    def matmul_params(self) -> int:
+        """Parameters a token's forward multiplies with: all but the input embedding (a lookup), which a tied
+        output head still uses as its matrix."""
+        return self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+
 
 # Named sizes, one registry of plain data (litgpt-style; conf/model/*.yaml are generated from it by
 # scripts/model_configs.py). 8b and 70b are Meta's Llama 3.1 8B and 70B, 1b and 3b Llama 3.2 1B and 3B (tied

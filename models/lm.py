@@ -82,9 +82,10 @@ class CausalLM(L.LightningModule):
         return batch.shape[0] * (batch.shape[1] - 1)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x parameters + 12 x layers x dim x seq (attention)."""
+        """Training FLOPs per token: 6 x the parameters used in matmuls (the embedding lookup is not one; a tied
+        output head is) + 12 x layers x dim x seq (attention scores and values), as torchtitan counts them."""
         c = self.cfg
-        return 6 * c.num_params() + 12 * c.n_layers * c.dim * seq_len
+        return 6 * c.matmul_params() + 12 * c.n_layers * c.dim * seq_len
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
@@ -92,8 +93,19 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        if self.logs_this_step():
+            # The data-parallel mean, synced only on steps the Trainer logs: every sync is a barrier, an
+            # all-reduce and a device-to-host read, which on a GPU stall the launch queue. Not on the progress
+            # bar: Lightning reads progress-bar values on the host at every step, logged or not.
+            self.log("train/loss", loss, sync_dist=True)
         return loss
+
+    def logs_this_step(self) -> bool:
+        """Whether the Trainer sends this training step's metrics to its loggers (``log_every_n_steps``), as
+        Lightning decides it: the step count after this step is a multiple of ``log_every_n_steps``."""
+        trainer = self.trainer
+        every = trainer.log_every_n_steps
+        return bool(every) and ((trainer.global_step + 1) % every == 0 or trainer.should_stop)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch.shape[0])

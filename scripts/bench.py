@@ -10,6 +10,7 @@ parameters + gradients + optimizer state against the ideal total / (dp_shard x t
     python scripts/bench.py --accelerator gpu --devices 8 --tp 2 --model 1b --seq 2048
     python scripts/bench.py --suite pipeline     # pipeline bubble per schedule (scripts/bench_pipeline.py)
     python scripts/bench.py --suite checkpoint   # save/load MB/s, sync and async (scripts/bench_checkpoint.py)
+    python scripts/bench.py --suite overhead     # host syncs and collectives per step (scripts/bench_overhead.py)
 
 Lightning's strategy needs the model parallelized by hand in ``configure_model``; the bench
 does that the torchtitan way (same TP plan, ``fully_shard`` per block then the root).
@@ -210,11 +211,16 @@ def worker_or_relaunch(
 
 def relaunch_under_torchrun(script: str, nprocs: int, argv: list[str]) -> None:
     """Run ``script --worker ARGV`` on ``nprocs`` local processes (torchrun, a free loopback port); exit with its code."""
+    sys.exit(subprocess.call(relaunch_cmd(script, nprocs, argv)))
+
+
+def relaunch_cmd(script: str, nprocs: int, argv: list[str]) -> list[str]:
+    """The torchrun command that runs ``script --worker ARGV`` on ``nprocs`` local processes (a free port)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -225,20 +231,19 @@ def relaunch_under_torchrun(script: str, nprocs: int, argv: list[str]) -> None:
         "--worker",
         *argv,
     ]
-    sys.exit(subprocess.call(cmd, env=env))
 
 
 def main() -> None:
     if "--suite" in sys.argv:
         at = sys.argv.index("--suite")
         suite, rest = sys.argv[at + 1], sys.argv[:at] + sys.argv[at + 2 :]
-        if suite in ("pipeline", "checkpoint"):
+        if suite in ("pipeline", "checkpoint", "overhead"):
             sys.path.insert(0, str(Path(__file__).parent))
             module = __import__(f"bench_{suite}")
             module.main(rest[1:])
             return
         if suite != "fsdp_tp":
-            sys.exit(f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline or checkpoint")
+            sys.exit(f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline, checkpoint or overhead")
         sys.argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)

@@ -32,13 +32,17 @@ from cuboid.monitor import CuboidMonitor
 
 
 class LossHistory(L.Callback):
-    """Keeps the logged (dp-averaged) training loss of every step, for summary.json."""
+    """Keeps the logged (dp-averaged) training loss of every logged step (``log_every_n_steps``), for summary.json.
+    Read only on those steps: reading a device value on the host every step would stall a GPU's launch queue."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self._last = -1
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if "train/loss" in trainer.callback_metrics:
+        every, step = trainer.log_every_n_steps, trainer.global_step  # the optimizer has stepped: step = s + 1
+        if every and step % every == 0 and step != self._last and "train/loss" in trainer.callback_metrics:
+            self._last = step
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 

@@ -185,3 +185,10 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Multiply every tensor in place by one 0-d tensor in a few fused kernels (``torch._foreach_mul_``, what
+    ``torch.nn.utils.clip_grads_with_norm_`` uses; that one takes parameters, whose DTensor gradients of different
+    meshes it cannot combine)."""
+    torch._foreach_mul_(tensors, scalar)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from cuboid.compat import foreach_mul_
+
 # Dims of the root mesh along which different ranks hold *different* parameters.
 _NOT_REPLICATED = ("pp",)
 
@@ -40,7 +42,8 @@ def global_grad_norm(
     flattened: Mapping[str, tuple[str, ...]],
     counted_elsewhere: Collection[int] = (),
 ) -> torch.Tensor:
-    """L2 norm of all gradients as if the model were on one device (fp64 sum, fp32 result). ``counted_elsewhere``:
+    """L2 norm of all gradients as if the model were on one device (foreach norms per dtype, summed in fp64;
+    fp32 result). ``counted_elsewhere``:
     ids of parameters another rank counts (this rank's copy of a parameter tied across pipeline stages)."""
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
     device = grads[0].device if grads else torch.device("cpu")
@@ -48,11 +51,14 @@ def global_grad_norm(
         coords: dict[str, int] = {}
     else:
         coords = dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or (), strict=True))
+    counted = [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in grads
+               if _counts_here(g, coords, flattened)]  # fmt: skip
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        if _counts_here(g, coords, flattened):
-            local = g.to_local() if isinstance(g, DTensor) else g
-            total += local.detach().double().pow(2).sum()
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in counted:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for tensors in groups.values():  # a few foreach kernels per dtype, not several per parameter
+        total += torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True).to(total.device, torch.float64).square()
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.sqrt().float()
@@ -73,7 +79,10 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, mesh, flattened, counted_elsewhere)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        local.mul_(coef.to(local.device, local.dtype))
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (dev, dtype), tensors in groups.items():
+        foreach_mul_(tensors, coef.to(dev, dtype))
     return norm

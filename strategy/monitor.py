@@ -20,15 +20,33 @@ from typing_extensions import override
 from cuboid.compat import should_accumulate
 from cuboid.grad_norm import global_grad_norm
 
-# Dense bf16 peak FLOP/s per device, from NVIDIA's datasheets; MFU is reported only where known.
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+# Dense peak FLOP/s by device model and math (NVIDIA datasheets, without sparsity), most specific name first.
+# MFU is reported only where the model is known; "tf32" applies to fp32 runs with TF32 matmuls allowed.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "H100 NVL": {"bf16": 835e12, "tf32": 418e12, "fp32": 60e12},
+    "H100": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},  # SXM
+    "H200 NVL": {"bf16": 835e12, "tf32": 418e12, "fp32": 60e12},
+    "H200": {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12},  # SXM
+    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
 
 
-def device_peak_flops(device: torch.device) -> float | None:
+def peak_flops(device_name: str, precision: str, tf32: bool = False) -> float | None:
+    """Peak dense FLOP/s of a GPU model (``torch.cuda.get_device_name``) for a Lightning precision: the bf16 or
+    fp16 tensor-core peak for ``*-mixed``/``*-true`` half precisions, TF32 or plain fp32 for ``32-true``."""
+    math_kind = "bf16" if precision.startswith(("bf16", "16")) else ("tf32" if tf32 else "fp32")
+    for key, peaks in PEAK_FLOPS.items():
+        if key in device_name:
+            return peaks[math_kind]
+    return None
+
+
+def device_peak_flops(device: torch.device, precision: str = "bf16-mixed") -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    return peak_flops(torch.cuda.get_device_name(device), precision, tf32)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -107,7 +125,7 @@ class CuboidMonitor(L.Callback):
             if flops is not None:
                 flops_per_s = flops(self._seq_len) * tokens_per_s
                 metrics["perf/flops_per_s"] = flops_per_s
-                peak = device_peak_flops(device)
+                peak = device_peak_flops(device, str(trainer.precision))
                 if peak is not None:
                     metrics["perf/mfu"] = flops_per_s / (peak * trainer.world_size)
         self._tokens = 0

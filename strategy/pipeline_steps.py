@@ -49,7 +49,9 @@ class Pipelining:
             pipeline.check_schedule(schedule, pp, microbatches, virtual_stages)
         zero_bubble = pp > 1 and schedule in pipeline.ZERO_BUBBLE
         if reshard_after_forward is None:
-            reshard_after_forward = not zero_bubble
+            # Under pp each block runs forward for every microbatch before its backward: resharding after forward
+            # would re-gather it once per microbatch. Keep it gathered (torchtitan: reshard_after_forward = not pp).
+            reshard_after_forward = pp == 1
         elif zero_bubble and reshard_after_forward is not False:
             raise pipeline.PipelineError(
                 f"pipeline_schedule={schedule!r} splits backward into input and weight passes, which needs "

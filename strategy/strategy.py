@@ -80,8 +80,8 @@ class CuboidStrategy(ParallelStrategy):
         reshard_after_forward: ``True`` frees each block's gathered parameters after forward
             (ZeRO-3); ``False`` keeps them until backward (ZeRO-2 style, more memory, less
             communication); an ``int`` reshards to a smaller group of that size. ``None`` (default):
-            ``True``, except ``False`` under the zero-bubble schedules, whose split weight-gradient
-            pass needs the gathered parameters (with ``True`` the last stage's block gradients were lost).
+            ``True``, except ``False`` under pipeline parallelism (each block would be re-gathered for
+            every microbatch; the zero-bubble schedules' split weight-gradient pass needs it gathered anyway).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory (FSDP2's
             ``CPUOffloadPolicy``; the optimizer step runs on the host). Accelerators only.
         compile: ``torch.compile`` each block (in place, parameter names unchanged).

@@ -226,3 +226,22 @@ def test_set_sampler_epoch_reaches_a_distributed_sampler() -> None:
     loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=True))
     compat.set_sampler_epoch(loader, 3)
     assert loader.sampler.epoch == 3
+
+
+def test_foreach_mul_scales_tensors_of_one_dtype_by_a_tensor_in_place() -> None:
+    tensors = [torch.ones(3), torch.full((2, 2), 2.0)]
+    compat.foreach_mul_(tensors, torch.tensor(0.5))
+    assert torch.equal(tensors[0], torch.full((3,), 0.5)) and torch.equal(tensors[1], torch.ones(2, 2))
+
+
+def test_fake_process_group_builds_meshes_in_one_process() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from cuboid import compat; import torch.distributed as dist; compat.init_fake_process_group(16);"
+        "from torch.distributed.device_mesh import init_device_mesh;"
+        "m = init_device_mesh('cpu', (4, 4), mesh_dim_names=('dp', 'tp')); print(dist.get_world_size(), m['tp'].size())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["16", "4"]

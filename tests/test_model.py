@@ -121,3 +121,30 @@ def test_named_sizes_are_the_published_llama_3_configs(name: str, published: dic
     assert check_hf_config(CONFIGS[name], other) == [
         f"rope scaling factor: 2.0 there, {CONFIGS[name].rope_scaling} here"
     ]
+
+
+def test_flops_per_token_leaves_out_the_embedding_lookup() -> None:
+    """6N counts the parameters used in matmuls: not the input embedding (a lookup), but a tied head's matrix."""
+    from cuboid.models import CausalLM
+
+    for name in ("150m", "1b", "8b"):
+        cfg = CONFIGS[name]
+        blocks = cfg.num_params() - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
+        assert cfg.matmul_params() == blocks + cfg.vocab_size * cfg.dim + cfg.dim
+        lm = CausalLM(model=name)
+        assert lm.flops_per_token(2048) == 6 * cfg.matmul_params() + 12 * cfg.n_layers * cfg.dim * 2048
+    # 150m untied: counting the embedding too made 6N 16% larger
+    cfg = CONFIGS["150m"]
+    assert 1.15 < cfg.num_params() / cfg.matmul_params() < 1.2
+
+
+def test_peak_flops_by_precision_and_exact_gpu_model() -> None:
+    from cuboid.monitor import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16-mixed") == 756e12
+    assert peak_flops("NVIDIA H200", "bf16-true") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "32-true") == 67e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "32-true", tf32=True) == 494e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "16-mixed") == 312e12
+    assert peak_flops("Tesla T4", "bf16-mixed") is None

@@ -230,6 +230,7 @@ def test_slurm_environment_two_nodes_by_two_tasks(tmp_path: Path) -> None:
         "strategy=fsdp_tp",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
+        "trainer.log_every_n_steps=1",
         "logger=csv",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
@@ -321,6 +322,7 @@ def test_3d_preset_validates_like_one_process_and_trains(tmp_path: Path) -> None
         "trainer.devices=8",
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
+        "trainer.log_every_n_steps=1",
         "hydra.run.dir=" + str(tmp_path / "run3d"),
         timeout=600,
     )
