@@ -229,14 +229,14 @@ def _max_over_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'layout':<14}{'strategy':<14}{'step':<9}{'host syncs':>11}{'object coll.':>13}  collectives per step "
+    lines = [f"{'layout':<18}{'strategy':<14}{'step':<9}{'host syncs':>11}{'object coll.':>13}  collectives per step "
              "(count, KiB)"]  # fmt: skip
     for r in results:
         for label, s in r["rank0"].items():
             worst = r["max_over_ranks"][label]
             kinds = ", ".join(f"{k} {v['count']:g} ({v['bytes'] / 1024:.0f})" for k, v in s["collectives"].items())
             lines.append(
-                f"{r['layout']:<14}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
+                f"{r['layout']:<18}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
                 f"{worst['object_collectives']:>13g}  {kinds}"
             )
     return "\n".join(lines)

@@ -133,7 +133,7 @@ def test_flops_per_token_leaves_out_the_embedding_lookup() -> None:
         assert cfg.matmul_params() == blocks + cfg.vocab_size * cfg.dim + cfg.dim
         lm = CausalLM(model=name)
         assert lm.flops_per_token(2048) == 6 * cfg.matmul_params() + 12 * cfg.n_layers * cfg.dim * 2048
-    # 150m untied: counting the embedding too made 6N 16% larger
+    # 150m untied: counting the embedding too made 6N 19% larger
     cfg = CONFIGS["150m"]
     assert 1.15 < cfg.num_params() / cfg.matmul_params() < 1.2
 
