@@ -264,6 +264,7 @@ class PipelineRunner:
         self.schedule = cls(target, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=True)
         self._step_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
         self.has_first = any(s.is_first for s in stages)
+        self._checked: set[str] = set()  # hooks whose first step checked that the model is called as it must be
         self.has_last = any(s.is_last for s in stages)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -306,10 +307,16 @@ class PipelineRunner:
                 inputs = self._capture_input(call_user, batch, hook, real)
             except PipelineError as err:
                 problem = str(err)
-        box_problem = [problem]  # every stage must stop, not only the first (the others would wait forever)
-        dist.broadcast_object_list(box_problem, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
-        if box_problem[0] is not None:
-            raise PipelineError(box_problem[0])
+        if hook not in self._checked:
+            # Every stage must stop, not only the first (the others would wait forever). Checked on the first step
+            # of each hook only: how a step calls the model does not change, and the check is an object collective.
+            box_problem = [problem]
+            dist.broadcast_object_list(box_problem, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+            if box_problem[0] is not None:
+                raise PipelineError(box_problem[0])
+            self._checked.add(hook)
+        elif problem is not None:
+            raise PipelineError(problem)
         self._step_loss = step_loss
         target = torch.arange(self.microbatches) if self.has_last else None
         run = self.schedule.step if train else self.schedule.eval
