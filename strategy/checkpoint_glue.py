@@ -58,6 +58,15 @@ class Checkpointer:
         self._resume_skip = 0
         self._barrier = barrier
 
+    def make_group(self) -> None:
+        """The gloo process group checkpoints use when they need one (async saves; the full format on NCCL), made
+        by every rank at setup: made lazily, a host-networking problem (a multi-NIC node) would show only at the
+        first save, hours into a run."""
+        if self._group is not None or not dist.is_initialized():
+            return
+        if self.async_save or (FORMATS[self.format].needs_gloo_group and dist.get_backend() != "gloo"):
+            self._group = dist.new_group(backend="gloo")
+
     @property
     def format(self) -> str:
         return self._format
@@ -95,8 +104,7 @@ class Checkpointer:
         }
         self.wait()
         fmt = FORMATS[self.format]
-        if self._group is None and (self.async_save or (fmt.needs_gloo_group and dist.get_backend() != "gloo")):
-            self._group = dist.new_group(backend="gloo")
+        self.make_group()  # made at setup; again here only if async saves or the format were switched on since
         self._pending = fmt.save(
             path,
             module,

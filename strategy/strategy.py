@@ -299,6 +299,7 @@ class CuboidStrategy(ParallelStrategy):
         else:
             self._parallelize(lm)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
+        self.checkpointer.make_group()
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

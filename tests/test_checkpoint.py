@@ -126,6 +126,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
 
 
 @pytest.mark.slow
+def test_async_checkpoint_group_is_made_at_setup(runs) -> None:
+    """Every rank has the checkpoints' gloo group before the first step, not at the first save hours later."""
+    _, got = runs
+    assert [r["ckpt_group_at_start"] for r in got["link"]["ranks"]] == [True, True]
+    assert [r["ckpt_group_at_start"] for r in got["exact-first"]["ranks"]] == [False, False]  # sync, gloo: none
+
+
+@pytest.mark.slow
 def test_mid_epoch_resume_with_shuffling_is_exact(runs) -> None:
     _, got = runs
     full, resumed = got["exact-uninterrupted"]["losses"], got["exact-resumed"]["losses"]

@@ -48,8 +48,11 @@ class Facts(L.Callback):
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.seen: list[list[int]] = []
+        self.ckpt_group_at_start: bool | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.seen:  # before any save: is the checkpoint process group already there?
+            self.ckpt_group_at_start = trainer.strategy.checkpointer._group is not None
         self.seen.append(batch["idx"].tolist())
         if self.watch_link is not None and self.watch_link.is_symlink():
             from cuboid.checkpoint import is_sharded_checkpoint
@@ -244,6 +247,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         "compiled_graphs": compiled_graphs,
         "stopped_at": trainer.global_step,
+        "ckpt_group_at_start": facts.ckpt_group_at_start,
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
         "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir()) if spec.get("save_dir") else None,
