@@ -36,6 +36,15 @@ def _counts_here(tensor: torch.Tensor, coords: Mapping[str, int], flattened: Map
     return all(coords[d] == 0 for d in replicated)
 
 
+def _by_device_and_dtype(grads: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Local tensors of the gradients (a DTensor's shard), grouped so that each group fits one foreach kernel."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    return groups
+
+
 def global_grad_norm(
     parameters: Iterable[torch.Tensor],
     mesh: DeviceMesh | None,
@@ -51,13 +60,9 @@ def global_grad_norm(
         coords: dict[str, int] = {}
     else:
         coords = dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or (), strict=True))
-    counted = [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in grads
-               if _counts_here(g, coords, flattened)]  # fmt: skip
     total = torch.zeros((), dtype=torch.float64, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in counted:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for tensors in groups.values():  # a few foreach kernels per dtype, not several per parameter
+    counted = _by_device_and_dtype(g.detach() for g in grads if _counts_here(g, coords, flattened))
+    for tensors in counted.values():  # a few foreach kernels per dtype, not several per parameter
         total += torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True).to(total.device, torch.float64).square()
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -79,10 +84,6 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, mesh, flattened, counted_elsewhere)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        groups.setdefault((local.device, local.dtype), []).append(local)
-    for (dev, dtype), tensors in groups.items():
+    for (dev, dtype), tensors in _by_device_and_dtype(p.grad for p in params).items():
         foreach_mul_(tensors, coef.to(dev, dtype))
     return norm

@@ -21,11 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-# safetensors dtype names Cuboid reads into floating-point parameters (cast to the parameter's dtype).
+# safetensors dtype names: those Cuboid reads into floating-point parameters (cast to the parameter's dtype), then
+# every name it maps to a torch dtype (and back, for DCP metadata and a full file).
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}  # fmt: skip
+_VIEW_DTYPES = {**_FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+_TORCH_NAMES = {dtype: name for name, dtype in _VIEW_DTYPES.items()}
 
 
 class PretrainedError(ValueError):
@@ -285,10 +286,6 @@ def _load_safetensors(source: Source, state: dict[str, torch.Tensor]) -> None:
     for file in source.files:
         mapped.update(mmap_safetensors(file))
     dcp.load({f"w.{k}": v for k, v in state.items()}, storage_reader=_MappedReader({"w": mapped}))
-
-
-_VIEW_DTYPES = {**_FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
 
 
 def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
