@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from cuboid.compat import set_metric_update_count, shallow_module_copy
+from cuboid.compat import shallow_module_copy
+from cuboid.pipeline_results import LogRecorder, ResultExchange, StepResults
 
 # The schedules Cuboid supports (each has a parity test); their classes come from torch's own registry.
 SCHEDULES: dict[str, type] = {
@@ -231,20 +232,6 @@ class _StageOutput(_StandIn):
         return object.__getattribute__(self, "_output")
 
 
-class _LogRecorder:
-    """Stands in for ``LightningModule.log``/``log_dict`` while a step runs on a subset of ranks."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, float, dict]] = []
-
-    def log(self, name: str, value: Any, **kwargs: Any) -> None:
-        self.calls.append((name, float(value.detach() if isinstance(value, torch.Tensor) else value), kwargs))
-
-    def log_dict(self, dictionary: dict, **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, **kwargs)
-
-
 class PipelineRunner:
     """Runs a LightningModule step through a ``torch.distributed.pipelining`` schedule."""
 
@@ -256,9 +243,12 @@ class PipelineRunner:
         owner_name: str,
         pp_group: dist.ProcessGroup,
         last_stage_rank: int,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.stages, self.microbatches, self.owner_name = stages, microbatches, owner_name
         self.pp_group, self.last_stage_rank = pp_group, last_stage_rank
+        self.host_group = host_group if host_group is not None else pp_group
+        self.results = ResultExchange(pp_group, self.host_group, last_stage_rank, stages[0].device)
         cls = SCHEDULES[schedule_name]
         target = stages if schedule_name in MULTI_STAGE else stages[0]
         self.schedule = cls(target, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=True)
@@ -271,17 +261,20 @@ class PipelineRunner:
         assert self._step_loss is not None
         return self._step_loss(output, target)
 
-    def run(self, lm: Any, hook: str, batch: Any, batch_idx: int, train: bool, loss_scale: float = 1.0) -> float | None:
-        """One pipelined step of ``lm.<hook>``; returns the microbatch-mean loss (None if the hook returns none)."""
+    def run(
+        self, lm: Any, hook: str, batch: Any, batch_idx: int, train: bool, loss_scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """One pipelined step of ``lm.<hook>``; returns the microbatch-mean loss as a device tensor, the same on every
+        rank of the pp group (None if the hook returns none). Reads nothing from the device."""
         mbs = split_batch(batch, self.microbatches)
         user_step = getattr(lm, hook)
-        # Per microbatch: (loss, log calls). Keyed by index, later calls win: on its first step the
+        # Per microbatch: loss and log calls. Keyed by index, later calls win: on its first step the
         # schedule also calls the loss function once to infer gradient metadata.
-        results: dict[int, tuple[float, list]] = {}
+        results = StepResults()
 
         real = getattr(lm, self.owner_name)
 
-        def call_user(mb: Any, standin: nn.Module, recorder: _LogRecorder) -> Any:
+        def call_user(mb: Any, standin: nn.Module, recorder: LogRecorder) -> Any:
             setattr(lm, self.owner_name, standin)
             lm.__dict__["log"], lm.__dict__["log_dict"] = recorder.log, recorder.log_dict
             try:
@@ -291,32 +284,35 @@ class PipelineRunner:
                 del lm.__dict__["log"], lm.__dict__["log_dict"]
 
         def step_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-            recorder = _LogRecorder()
-            out = call_user(mbs[int(target)], _StageOutput(real, output), recorder)
+            recorder = LogRecorder(lm)
+            index = target.tolist()[0]  # a host tensor (the microbatch's index): no device read
+            out = call_user(mbs[index], _StageOutput(real, output), recorder)
             loss = out["loss"] if isinstance(out, dict) else out
+            results.calls[index] = recorder.calls
             if loss is None:
-                results[int(target)] = (float("nan"), recorder.calls)
+                results.losses[index] = None
                 return torch.zeros((), device=output.device, requires_grad=train)
-            results[int(target)] = (float(loss.detach()), recorder.calls)
+            results.losses[index] = loss.detach()
             return loss * loss_scale
 
         inputs: tuple = ()
         problem: str | None = None
         if self.has_first:
             try:
-                inputs = self._capture_input(call_user, batch, hook, real)
+                inputs = self._capture_input(call_user, batch, hook, real, lm)
             except PipelineError as err:
                 problem = str(err)
         if hook not in self._checked:
             # Every stage must stop, not only the first (the others would wait forever). Checked on the first step
             # of each hook only: how a step calls the model does not change, and the check is an object collective.
             box_problem = [problem]
-            dist.broadcast_object_list(box_problem, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+            dist.broadcast_object_list(box_problem, src=dist.get_global_rank(self.pp_group, 0), group=self.host_group)
             if box_problem[0] is not None:
                 raise PipelineError(box_problem[0])
             self._checked.add(hook)
         elif problem is not None:
             raise PipelineError(problem)
+        counts_before = self.results.update_counts(lm) if self.has_last else None
         self._step_loss = step_loss
         target = torch.arange(self.microbatches) if self.has_last else None
         run = self.schedule.step if train else self.schedule.eval
@@ -324,16 +320,11 @@ class PipelineRunner:
             run(*inputs, target=target)
         finally:
             self._step_loss = None
-        box = [[results[i] for i in range(self.microbatches)] if self.has_last else None]
-        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
-        per_mb = box[0]
-        self._replay_logs(lm, [call for _, calls in per_mb for call in calls])
-        finite = [loss for loss, _ in per_mb if loss == loss]
-        return sum(finite) / len(finite) if finite else None
+        return self.results.exchange(lm, results if self.has_last else None, counts_before)
 
-    def _capture_input(self, call_user: Callable, batch: Any, hook: str, real: nn.Module) -> tuple:
+    def _capture_input(self, call_user: Callable, batch: Any, hook: str, real: nn.Module, lm: Any) -> tuple:
         try:
-            call_user(batch, _CaptureInput(real), _LogRecorder())
+            call_user(batch, _CaptureInput(real), LogRecorder(lm))
         except _Captured as captured:
             if captured.kwargs_:
                 raise PipelineError(
@@ -345,30 +336,3 @@ class PipelineRunner:
             f"{hook} never calls self.{self.owner_name}(...), so Cuboid cannot find the pipeline's input. Under "
             f"pipeline parallelism the step must call the model once, e.g. `out = self.{self.owner_name}(x)`."
         )
-
-    def _replay_logs(self, lm: Any, calls: list[tuple[str, float, dict]]) -> None:
-        grouped: dict[str, tuple[list[float], dict]] = {}
-        for name, value, kwargs in calls:
-            grouped.setdefault(name, ([], kwargs))[0].append(value)
-        for name, (values, kwargs) in grouped.items():
-            lm.log(name, torch.tensor(sum(values) / len(values), device=lm.device), **kwargs)
-
-
-def sync_metric_states(lm: nn.Module, src: int, group: dist.ProcessGroup) -> None:
-    """Copy torchmetrics states from the last stage (where the step updated them) to every pp rank."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:
-        return
-    for metric in (m for m in lm.modules() if isinstance(m, Metric)):
-        for name in metric.metric_state:
-            value = getattr(metric, name)
-            if isinstance(value, torch.Tensor):
-                dist.broadcast(value, src=src, group=group)
-            else:
-                box = [value]
-                dist.broadcast_object_list(box, src=src, group=group)
-                setattr(metric, name, box[0])
-        box = [metric.update_count]
-        dist.broadcast_object_list(box, src=src, group=group)
-        set_metric_update_count(metric, box[0])

@@ -123,7 +123,7 @@ class Pipelining:
         last_pp_rank = 0 if self.schedule in pipeline.V_SHAPED else self.pp - 1
         last_stage_rank = dist.get_global_rank(pp_group, last_pp_rank)
         self.runner = pipeline.PipelineRunner(
-            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank
+            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank, self._host_group(mesh)
         )
         if self._tied_names:
             self._tied_group = self._first_last_group(mesh, pp_group)
@@ -135,6 +135,21 @@ class Pipelining:
             self.counted_elsewhere = {
                 id(held[n]) for names in self._tied_names if names[0] not in held for n in names[1:] if n in held
             }
+
+    def _host_group(self, mesh: Any) -> Any:
+        """A gloo group over this rank's pp group (the pp group itself when it is gloo), made on every rank: what a
+        pipelined step tells every stage about its logs goes through host memory, never a device read."""
+        pp_group = mesh["pp"].get_group()
+        if dist.get_backend(pp_group) == "gloo":
+            return pp_group
+        ranks = mesh.mesh.reshape(self.pp, -1)
+        mine = None
+        for column in range(ranks.shape[1]):
+            members = [int(r) for r in ranks[:, column]]
+            group = dist.new_group(members, backend="gloo")
+            if dist.get_rank() in members:
+                mine = group
+        return mine
 
     def _first_last_group(self, mesh: Any, pp_group: Any) -> Any:
         """The process group of this rank's first and last pp ranks (same dp/tp coordinates); made on every rank."""
@@ -175,8 +190,7 @@ class Pipelining:
         ]
         for p in params:
             p.grad = None
-        self._sync_metrics(lm)
-        return torch.tensor(float("nan") if loss is None else loss, device=device)
+        return torch.full((), float("nan"), device=device) if loss is None else loss
 
     def restore_grads(self, lm: nn.Module) -> None:
         """Put back the gradients the last training_step's schedule computed (instead of a backward)."""
@@ -188,13 +202,7 @@ class Pipelining:
         """A forward-only schedule of ``lm.<hook>`` (validation_step, test_step)."""
         assert self.runner is not None
         with torch.no_grad(), precision.val_step_context():
-            loss = self.runner.run(lm, hook, batch, batch_idx, False)
-        self._sync_metrics(lm)
-        return None if loss is None else torch.tensor(loss, device=device)
-
-    def _sync_metrics(self, lm: nn.Module) -> None:
-        assert self.runner is not None
-        pipeline.sync_metric_states(lm, self.runner.last_stage_rank, self.runner.pp_group)
+            return self.runner.run(lm, hook, batch, batch_idx, False)
 
     def refuse_predict(self) -> None:
         raise NotImplementedError(
