@@ -106,6 +106,37 @@ def should_accumulate(trainer: Any) -> bool:
     return trainer.fit_loop._should_accumulate()
 
 
+def drop_sigterm_broadcast(trainer: Any) -> None:
+    """Stop Lightning's training loop (2.6) from broadcasting rank 0's SIGTERM flag at the start of every step of a
+    distributed run (``_TrainingEpochLoop._broadcast_sigterm_tensor``: a device tensor read back with ``.item()``,
+    a host sync per step on GPUs); Cuboid agrees on it through host memory instead. Lightning 2.5 has no such
+    broadcast. No public switch exists; set on this trainer's loop only."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
+
+
+def take_over_sigterm(trainer: Any, on_signal: Callable[[], None]) -> Callable[[], None]:
+    """Make Lightning's SIGTERM handler call ``on_signal`` (and pass the signal to processes its launcher started)
+    instead of setting ``trainer.received_sigterm``; returns a function that sets it. Lightning 2.6's handler
+    (``_SignalConnector._sigterm_notifier_fn``) broadcasts a tensor from inside the signal handler (a collective
+    at a different point on each rank), and its loops raise at the end of the signalled rank's step on their own,
+    while the other ranks wait in the next step's collectives. Must run before the Trainer registers its
+    handlers (it does so after ``Strategy.setup``)."""
+    connector = trainer._signal_connector
+
+    def notify(signum: Any, frame: Any) -> None:
+        if trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        on_signal()
+
+    def mark() -> None:
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = notify
+    return mark
+
+
 # --- torch -----------------------------------------------------------------------------------------------------
 
 
@@ -115,15 +146,6 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     on the root mesh "will be deprecated": ``mesh["data_parallel"]`` for ModelParallelStrategy-style modules
     depends on it (pinned in tests/test_compat.py)."""
     return mesh._flatten(name)
-
-
-def checkpoint_module(module: nn.Module, **kwargs: Any) -> None:
-    """Activation checkpointing of ``module`` in place, parameter names unchanged. torch's public route changes
-    names (``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module``) or works on functions; the composable API
-    keeps FQNs, so checkpoints read the same with or without checkpointing."""
-    from torch.distributed._composable import checkpoint
-
-    checkpoint(module, **kwargs)
 
 
 def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, plans
+from cuboid import compat, plans, stopping
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
@@ -162,6 +162,8 @@ class CuboidStrategy(ParallelStrategy):
         self.compile = compile
         self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
         self._pretrained_loaded = False
+        self._host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
+        self._stop: stopping.StopAgreement | None = None
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -300,6 +302,11 @@ class CuboidStrategy(ParallelStrategy):
             self._parallelize(lm)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
+        if self._host_group is None:
+            self._host_group = stopping.host_group()
+        if trainer.state.fn == TrainerFn.FITTING:  # the per-step stop check, through host memory
+            self._stop = stopping.StopAgreement(trainer, self._host_group)
+            self._stop.install()
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -350,6 +357,11 @@ class CuboidStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     @override
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._stop is not None:  # every rank stops here, at the same step, if any rank was sent SIGTERM
+            self._stop.check()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pp > 1 the schedule runs forward and backward of every microbatch; the loss returned (the
         microbatch mean) is the same on every rank."""

@@ -7,7 +7,9 @@ process, so workers run several layouts per launch.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,3 +58,38 @@ def torchrun(nprocs: int, script: Path, *args: str, timeout: float = 600) -> str
         *args,
     ]
     return run_checked(cmd, timeout)
+
+
+def torchrun_session(nprocs: int, script: Path, *args: str, timeout: float = 60) -> tuple[int, str]:
+    """Like :func:`torchrun`, in a session of its own that is killed whole on timeout (no worker outlives the
+    test); returns the exit code and the output instead of failing on a non-zero one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(script), *args]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun starts each worker in a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script.name} {' '.join(args)} did not finish in {timeout} s:\n{out[-6000:]}")
+    return proc.returncode, out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -158,15 +158,6 @@ def test_swap_parameter_installs_a_plain_tensor_for_a_forward() -> None:
     assert layer.weight is weight
 
 
-def test_checkpointing_a_module_keeps_its_parameter_names() -> None:
-    block = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    names = [n for n, _ in block.named_parameters()]
-    compat.checkpoint_module(block)
-    assert [n for n, _ in block.named_parameters()] == names
-    block(torch.randn(3, 2, requires_grad=True)).sum().backward()
-    assert all(p.grad is not None for p in block.parameters())
-
-
 def test_transformers_layers_say_whether_they_only_read_their_cache() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -245,3 +236,50 @@ def test_fake_process_group_builds_meshes_in_one_process() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["16", "4"]
+
+
+class _SignalsItself(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        if batch_idx == 1:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_take_over_sigterm_replaces_lightnings_handler_and_its_own_stop(tmp_path) -> None:
+    """StopAgreement relies on: the handler Lightning registers after Strategy.setup is the connector's
+    ``_sigterm_notifier_fn`` as found then, and ``trainer.received_sigterm`` is what makes Lightning's loops stop on
+    their own. Taken over, the signal reaches our callback, the run goes on, and ``mark`` sets the flag."""
+    trainer = _trainer(tmp_path, max_epochs=1)
+    module, heard = _SignalsItself(), []
+    mark = compat.take_over_sigterm(trainer, lambda: heard.append(True))
+    trainer.fit(module, _data(4))
+    assert heard == [True] and module.steps == 4 and not trainer.received_sigterm
+    mark()
+    assert trainer.received_sigterm
+
+
+def test_lightnings_per_step_sigterm_broadcast_is_the_attribute_dropped() -> None:
+    """Lightning 2.6 broadcasts the SIGTERM flag each step through ``self._broadcast_sigterm_tensor()`` (looked up on
+    the loop, so an attribute set on one trainer's loop replaces it); Lightning 2.5 has no such broadcast."""
+    import inspect
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    if hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
+        assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    compat.drop_sigterm_broadcast(trainer)
+    if hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
+        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None

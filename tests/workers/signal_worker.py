@@ -1,0 +1,75 @@
+"""A 2-process fit in which one rank is sent SIGTERM mid-epoch: every rank must stop at the same step.
+
+    python -m torch.distributed.run --nproc-per-node=2 signal_worker.py OUT_DIR SIGNALLED_RANK
+
+Each rank writes OUT_DIR/rank<r>.json: the exception it stopped with and the global step it stopped at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cuboid import CuboidStrategy
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, signalled_rank: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.signalled_rank = signalled_rank
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3 and self.global_rank == self.signalled_rank:
+            os.kill(os.getpid(), signal.SIGTERM)  # as SLURM or a user would, in the middle of a step
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        facts = {"exception": type(exception).__name__, "global_step": trainer.global_step}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(facts))
+
+
+def main() -> None:
+    out, signalled = Path(sys.argv[1]), int(sys.argv[2])
+    L.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CuboidStrategy(),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record(out)],
+    )
+    trainer.fit(Regressor(signalled), DataLoader(data, batch_size=8))
+    (out / f"rank{trainer.global_rank}.json").write_text(
+        json.dumps({"exception": None, "global_step": trainer.global_step})
+    )
+
+
+if __name__ == "__main__":
+    main()
