@@ -8,8 +8,9 @@ None of these change parameter names (FQNs), so checkpoints read the same on any
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal, get_args
 
@@ -19,10 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from cuboid import materialize, plans
 from cuboid import pretrained as pretrained_weights
-from cuboid.compat import SDPA_OPS, checkpoint_module, reads_kv_cache_only
+from cuboid.compat import SDPA_OPS, reads_kv_cache_only
 from cuboid.layout import fsdp_mesh
 
 ACMode = Literal["full", "selective"]
@@ -35,9 +37,18 @@ def check_ac_mode(mode: object) -> None:
         raise ValueError(f"activation_checkpointing={mode!r}; choose None, {', '.join(map(repr, allowed))}.")
 
 
-# Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest
-# (norms, activations, elementwise) are recomputed in backward.
-_SAC_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, *SDPA_OPS}
+# Ops whose outputs selective activation checkpointing keeps (the expensive ones, and the tensor-parallel
+# collectives, which a recompute would otherwise run again); the rest (norms, activations, elementwise) are
+# recomputed in backward.
+_SAC_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    *SDPA_OPS,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
 
 
 def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -85,10 +96,22 @@ def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> No
     """
     if mode is None:
         return
-    kwargs = {"context_fn": _sac_context} if mode == "selective" else {}
+    context_fn = _sac_context if mode == "selective" else noop_context_fn
     for _, block in blocks:
-        checkpoint_module(block, **kwargs)
+        block.forward = _checkpointed(block.forward, context_fn)  # an instance attribute: names unchanged
         block.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True, prepend=True)
+
+
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+    """``forward`` under ``torch.utils.checkpoint``. Inside the block's own forward (not hooks around it), so that
+    ``compile=True`` traces the checkpoint with the block and applies the selective policy inside the compiled
+    graph, and FSDP2's hooks (all-gather before forward and before backward) stay outside the recompute."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:

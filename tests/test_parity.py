@@ -49,7 +49,7 @@ RUNS["dp2xtp2-meta_init"] = Run(4, {"tensor_parallel": 2}, meta_init=True)
 # HSDP composed with TP (replicate 2 x shard 2 x tp 2), partial resharding after forward, compiled blocks.
 RUNS["hsdp2x2xtp2"] = Run(8, {"data_parallel_replicate": 2, "tensor_parallel": 2})
 RUNS["dp4-reshard_after_forward2"] = Run(4, {"reshard_after_forward": 2})
-RUNS["dp2-compile"] = Run(2, {"compile": True})
+RUNS["dp2-compile-ac_selective"] = Run(2, {"compile": True, "activation_checkpointing": "selective"})
 # Pipeline parallel: every schedule at pp=2, then pp composed with dp and tp, and the 8-process 3D cube.
 PP = {"pipeline_parallel": 2}
 RUNS["pp2-1F1B"] = Run(2, PP)
@@ -190,7 +190,7 @@ def test_layout_is_real(name: str, results) -> None:
 @pytest.mark.slow
 def test_compile_really_compiles(results) -> None:
     """compile=True runs the blocks through torch.compile (Dynamo graphs captured), the plain run does not."""
-    assert all(r["compiled_graphs"] > 0 for r in results["dp2-compile"]["ranks"])
+    assert all(r["compiled_graphs"] > 0 for r in results["dp2-compile-ac_selective"]["ranks"])
     assert all(r["compiled_graphs"] == 0 for r in results["dp2"]["ranks"])
 
 
@@ -201,6 +201,8 @@ def test_activation_checkpointing_is_real(layout: str, results) -> None:
     ops = {ac: results[f"{layout}{ac}"]["ranks"][0]["backward_ops"] for ac in ("", "-ac_selective", "-ac_full")}
     assert ops[""]["total"] < ops["-ac_selective"]["total"] < ops["-ac_full"]["total"], ops
     assert ops[""]["mm"] == ops["-ac_selective"]["mm"] < ops["-ac_full"]["mm"], ops
+    if "tp" in layout:  # selective keeps the tensor-parallel all-reduces' outputs; full runs them again
+        assert 0 < ops[""]["all_reduce"] == ops["-ac_selective"]["all_reduce"] < ops["-ac_full"]["all_reduce"], ops
 
 
 @pytest.mark.slow

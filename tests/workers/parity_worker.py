@@ -88,7 +88,11 @@ def backward_ops(module: LlamaModule) -> dict[str, int]:
     with counter:
         loss.backward()
     module.zero_grad()
-    return {"total": sum(counter.ops.values()), "mm": counter.ops.get("mm", 0)}
+    return {
+        "total": sum(counter.ops.values()),
+        "mm": counter.ops.get("mm", 0),
+        "all_reduce": counter.ops.get("all_reduce", 0),
+    }
 
 
 class NoModelCall(LlamaModule):
