@@ -50,12 +50,18 @@ def global_grad_norm(
     mesh: DeviceMesh | None,
     flattened: Mapping[str, tuple[str, ...]],
     counted_elsewhere: Collection[int] = (),
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """L2 norm of all gradients as if the model were on one device (foreach norms per dtype, summed in fp64;
-    fp32 result). ``counted_elsewhere``:
-    ids of parameters another rank counts (this rank's copy of a parameter tied across pipeline stages)."""
+    fp32 result, on ``device``). ``counted_elsewhere``: ids of parameters another rank counts (this rank's copy
+    of a parameter tied across pipeline stages). ``device``: where the sum is all-reduced, the process group's
+    device (the accelerator under CPU offload, whose gradients are on the host; NCCL takes no host tensor);
+    default: the mesh's device type (its current device), else the gradients' device."""
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
-    device = grads[0].device if grads else torch.device("cpu")
+    if device is None and mesh is not None and mesh.device_type != "cpu":
+        device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
     if mesh is None:
         coords: dict[str, int] = {}
     else:
@@ -76,13 +82,15 @@ def clip_grad_norm_(
     mesh: DeviceMesh | None,
     flattened: Mapping[str, tuple[str, ...]],
     counted_elsewhere: Collection[int] = (),
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm.
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm (on ``device``, as
+    :func:`global_grad_norm`).
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (norm + 1e-6))``.
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, mesh, flattened, counted_elsewhere)
+    norm = global_grad_norm(params, mesh, flattened, counted_elsewhere, device)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for (dev, dtype), tensors in _by_device_and_dtype(p.grad for p in params).items():
         foreach_mul_(tensors, coef.to(dev, dtype))

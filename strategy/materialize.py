@@ -52,15 +52,18 @@ def to_device_except_parameters(module: nn.Module, device: torch.device) -> None
     module_apply(module, lambda t: t if t.is_meta or id(t) in params else t.to(device))
 
 
-def materialize_meta(module: nn.Module, device: torch.device) -> None:
-    """``to_empty`` for the meta tensors only: give them uninitialized storage on ``device``; every other tensor,
-    a metric's state or a real submodule's weights, keeps its values.
+def materialize_meta(module: nn.Module, device: torch.device, param_device: torch.device | None = None) -> None:
+    """``to_empty`` for the meta tensors only: give them uninitialized storage on ``device`` (parameters on
+    ``param_device`` when given: the host, under CPU offload); every other tensor, a metric's state or a real
+    submodule's weights, keeps its values.
 
     Goes through ``nn.Module._apply``, as ``to_empty`` does, so that FSDP2 (which re-registers its sharded
     parameters) and torchmetrics (which moves its states and defaults) see the change.
     """
     tied = [names for names in alias_groups(module).values() if len(names) > 1]
-    module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    params = {id(p) for p in module.parameters()}
+    where = {True: param_device or device, False: device}
+    module_apply(module, lambda t: torch.empty_like(t, device=where[id(t) in params]) if t.is_meta else t)
     for names in tied:  # _apply gives each name of a shared meta parameter its own tensor: share it again
         first = module.get_parameter(names[0]) if _is_parameter(module, names[0]) else None
         for name in names[1:] if first is not None else []:
@@ -170,8 +173,10 @@ def materialize_streamed(
     device: torch.device,
     blocks: set[str],
     skip: set[str] = frozenset(),  # type: ignore[assignment]
+    param_device: torch.device | None = None,
 ) -> None:
-    """Give the sharded ``root``'s meta tensors storage on ``device``, then fill those named in ``on_meta`` (less
+    """Give the sharded ``root``'s meta tensors storage on ``device`` (parameters on ``param_device`` when given),
+    then fill those named in ``on_meta`` (less
     ``skip``, which pretrained weights fill) from rank 0's host-side init, one piece at a time.
 
     Rank 0 gives one piece of the meta twin host storage (a block, or one module's own tensors), runs the model's
@@ -180,7 +185,7 @@ def materialize_streamed(
     transformers' ``_init_weights`` do), broadcasts the piece tensor by tensor, and frees it. Every rank copies out
     its own slice. Host memory on rank 0: one piece (the largest block, or the embedding), not the model.
     """
-    materialize_meta(root, device)
+    materialize_meta(root, device, param_device)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     current = {
         **dict(root.named_parameters(remove_duplicate=False)),

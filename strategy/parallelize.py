@@ -231,7 +231,9 @@ def parallelize_lightning_module(
         parallelize(lightning_parts(lm, blocks), tp_root=lm, tp_plan=plans.parallel_plan(matched), **common)
     if on_meta:
         block_names = {name for name, _ in blocks}
-        materialize.materialize_streamed(lm, twins, on_meta, device, block_names, skip=loaded)
+        # Under CPU offload FSDP2 keeps the sharded parameters on the host: materialize them there.
+        param_device = torch.device("cpu") if cpu_offload else None
+        materialize.materialize_streamed(lm, twins, on_meta, device, block_names, loaded, param_device)
     for plan in sources:
         pretrained_weights.load(lm, plan)
     average_stray_gradients(lm, report_stray_parameters(lm), mesh["dp"])
