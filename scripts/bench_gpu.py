@@ -174,7 +174,10 @@ def offload(args: argparse.Namespace) -> dict[str, Any]:
         "parameter_devices": devices,
         "losses": [round(v, 4) for v in values],
         "peak_mem_gib": round(peak_memory_bytes(module.device) / 2**30, 2),
-        "ok": len(values) == args.steps and all(math.isfinite(v) for v in values) and values[-1] < values[0],
+        # (random tokens: the loss need not fall in a few steps) the shards stay on the host under offload
+        "ok": len(values) == args.steps
+        and all(math.isfinite(v) for v in values)
+        and (args.accelerator == "cpu" or devices == ["cpu"]),
     }
 
 

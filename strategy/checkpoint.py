@@ -101,11 +101,13 @@ def save_sharded(
     lightning_state: dict[str, Any],
     storage_writer: Callable[[Path], Any] | None = None,
     async_group: dist.ProcessGroup | None = None,
+    stager: Any = None,
 ) -> threading.Thread | None:
     """Write ``path`` atomically: into ``.<name>.tmp``, renamed once every rank is done.
 
     With ``async_group`` (a process group used only for checkpoints), the shards are copied to host
-    memory, written in the background, and the rename happens in a background thread after a
+    memory (through ``stager``, a DCP ``AsyncStager`` kept across saves so its host buffers are reused),
+    written in the background, and the rename happens in a background thread after a
     barrier on that group; the returned thread must be joined before the next save (training
     collectives on the default group and checkpoint collectives never share a group: on gloo they
     deadlocked when they did).
@@ -128,7 +130,9 @@ def save_sharded(
         publish(tmp, path)
         _barrier()
         return None
-    future = dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
+    future = dcp.async_save(
+        state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group, async_stager=stager
+    )
 
     def finish() -> None:
         future.result()
@@ -330,9 +334,10 @@ class ShardedFormat:
         background: bool,
         model_order: Sequence[str] | None,
         storage_writer: Callable[[Path], Any] | None,
+        stager: Any = None,
     ) -> threading.Thread | None:
         return save_sharded(
-            path, module, optimizers, lightning_state, storage_writer, async_group=group if background else None
+            path, module, optimizers, lightning_state, storage_writer, group if background else None, stager
         )
 
     def load(

@@ -244,6 +244,7 @@ class FullFormat:
         background: bool,
         model_order: Sequence[str] | None,
         storage_writer: Any = None,
+        stager: Any = None,  # (the full file is gathered to rank 0 and written from there: no DCP staging)
     ) -> threading.Thread | None:
         return save_full(path, module, optimizers, lightning_state, mesh, group, background, model_order)
 

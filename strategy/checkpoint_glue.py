@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -54,6 +55,7 @@ class Checkpointer:
         self.model_order: list[str] | None = None
         self._pending: Any = None
         self._group: dist.ProcessGroup | None = None
+        self._stager: Any = None
         self._deferred_removals: list[Path] = []
         self._resume_skip = 0
         self._barrier = barrier
@@ -66,6 +68,24 @@ class Checkpointer:
             return
         if self.async_save or (FORMATS[self.format].needs_gloo_group and dist.get_backend() != "gloo"):
             self._group = dist.new_group(backend="gloo")
+
+    @property
+    def stager(self) -> Any:
+        """The host staging of async saves, kept across saves: its buffers (pinned on GPUs, for fast copies) are
+        allocated at the first save and reused by the next ones, instead of fresh pageable memory each time."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # copied before save() returns; written in the background
+                    use_non_blocking_copy=False,
+                )
+            )
+        return self._stager
 
     @property
     def format(self) -> str:
@@ -115,6 +135,7 @@ class Checkpointer:
             background=self.async_save,
             model_order=self.model_order,
             storage_writer=self.storage_writer,
+            stager=self.stager if self.async_save else None,
         )
 
     def wait(self) -> None:

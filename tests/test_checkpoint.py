@@ -273,7 +273,7 @@ def test_bad_checkpoints_are_refused_with_a_reason(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async", "full", "full-async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "full", "full-async", "async-again"])
 def test_a_save_keeps_the_weights_of_the_moment_it_was_called(mode: str, runs) -> None:
     """The worker adds 1.0 to every weight right after save_checkpoint returns, then waits for the write."""
     out, _ = runs
@@ -281,6 +281,15 @@ def test_a_save_keeps_the_weights_of_the_moment_it_was_called(mode: str, runs) -
     saved = read_model_weights(out / f"probe-{mode}")
     for name, before in probe["before"].items():
         assert torch.equal(saved[name], before), name
+
+
+@pytest.mark.slow
+def test_async_saves_reuse_their_host_staging_buffers(runs) -> None:
+    """The second async save copies into the same host storages as the first (none freshly allocated): the
+    checkpointer keeps one DCP stager (pinned memory on GPUs) across saves."""
+    out, _ = runs
+    staged = torch.load(out / "probe-async-again-probe.pt", weights_only=False)["staged"]
+    assert len(staged) == 2 and staged[0] and staged[0] == staged[1], staged
 
 
 @pytest.mark.slow

@@ -265,9 +265,21 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("async_probe"):
         import time as _time
 
-        blocked = {}
-        for mode in ("sync", "async", "full", "full-async"):
-            strategy.checkpointer.async_save = mode.endswith("async")
+        blocked: dict = {}
+        staged: list = []  # per async save: the host storages its state was copied into
+        stager = strategy.checkpointer.stager
+        stage = stager.stage
+
+        def spy(state_dict, **kwargs):
+            out = stage(state_dict, **kwargs)
+            leaves = torch.utils._pytree.tree_leaves(out)
+            local = [t.to_local() if isinstance(t, DTensor) else t for t in leaves if isinstance(t, torch.Tensor)]
+            staged.append(sorted(t.untyped_storage().data_ptr() for t in local))
+            return out
+
+        stager.stage = spy
+        for mode in ("sync", "async", "full", "full-async", "async-again"):
+            strategy.checkpointer.async_save = "async" in mode
             strategy.checkpointer.format = "full" if mode.startswith("full") else "sharded"
             before = {
                 n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
@@ -281,7 +293,10 @@ def run(spec: dict, out_dir: Path) -> None:
                     (p.to_local() if isinstance(p, DTensor) else p).add_(1.0)
             strategy.wait_for_checkpoint()
             if dist.get_rank() == 0:
-                torch.save({"before": before, "blocked": blocked}, out_dir / f"{spec['name']}-{mode}-probe.pt")
+                torch.save(
+                    {"before": before, "blocked": blocked, "staged": staged},
+                    out_dir / f"{spec['name']}-{mode}-probe.pt",
+                )
             dist.barrier()
     own = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
     shares = [None] * dist.get_world_size()
