@@ -140,6 +140,14 @@ def take_over_sigterm(trainer: Any, on_signal: Callable[[], None]) -> Callable[[
 # --- torch -----------------------------------------------------------------------------------------------------
 
 
+def is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view made from ``base`` (``Tensor._base``). A pipeline schedule hands the loss
+    function views of the target it was given (``tensor_split``) for real microbatches, and a detached copy of
+    one for its metadata inference, which runs the last stage on uninitialized inputs: no public flag says
+    which call is which."""
+    return tensor._base is base
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
     twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from cuboid.compat import shallow_module_copy
+from cuboid.compat import is_view_of, shallow_module_copy
 from cuboid.pipeline_results import LogRecorder, ResultExchange, StepResults
 
 # The schedules Cuboid supports (each has a parity test); their classes come from torch's own registry.
@@ -232,6 +232,16 @@ class _StageOutput(_StandIn):
         return object.__getattribute__(self, "_output")
 
 
+def _zero_loss(output: Any) -> torch.Tensor:
+    """0 times the sum of the output's floating tensors: a loss on the output's graph (every input gets a
+    gradient's metadata) that touches no user code."""
+    parts = []
+    apply_to_collection(
+        output, torch.Tensor, lambda t: parts.append(t.float().sum()) if t.is_floating_point() else None
+    )
+    return torch.stack(parts).sum() * 0.0
+
+
 class PipelineRunner:
     """Runs a LightningModule step through a ``torch.distributed.pipelining`` schedule."""
 
@@ -268,9 +278,7 @@ class PipelineRunner:
         rank of the pp group (None if the hook returns none). Reads nothing from the device."""
         mbs = split_batch(batch, self.microbatches)
         user_step = getattr(lm, hook)
-        # Per microbatch: loss and log calls. Keyed by index, later calls win: on its first step the
-        # schedule also calls the loss function once to infer gradient metadata.
-        results = StepResults()
+        results = StepResults()  # per microbatch index: its loss and log calls
 
         real = getattr(lm, self.owner_name)
 
@@ -284,6 +292,10 @@ class PipelineRunner:
                 del lm.__dict__["log"], lm.__dict__["log_dict"]
 
         def step_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+            if not is_view_of(target, targets):
+                # The schedule's metadata inference (first step), on uninitialized inputs: the user's step must not
+                # run (its metrics would count a garbage microbatch); a zero loss on the output's graph will do.
+                return _zero_loss(output)
             recorder = LogRecorder(lm)
             index = target.tolist()[0]  # a host tensor (the microbatch's index): no device read
             out = call_user(mbs[index], _StageOutput(real, output), recorder)
@@ -314,10 +326,10 @@ class PipelineRunner:
             raise PipelineError(problem)
         counts_before = self.results.update_counts(lm) if self.has_last else None
         self._step_loss = step_loss
-        target = torch.arange(self.microbatches) if self.has_last else None
+        targets = torch.arange(self.microbatches) if self.has_last else None
         run = self.schedule.step if train else self.schedule.eval
         try:
-            run(*inputs, target=target)
+            run(*inputs, target=targets)
         finally:
             self._step_loss = None
         return self.results.exchange(lm, results if self.has_last else None, counts_before)

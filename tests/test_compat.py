@@ -283,3 +283,14 @@ def test_lightnings_per_step_sigterm_broadcast_is_the_attribute_dropped() -> Non
     compat.drop_sigterm_broadcast(trainer)
     if hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
         assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+
+
+def test_a_pipeline_target_split_is_a_view_and_its_inference_copy_is_not() -> None:
+    """The pipeline runner tells real microbatch loss calls from the schedule's metadata inference by this: the
+    schedule splits the target with ``tensor_split`` (views of it) and infers on a detached copy of one."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
+
+    target = torch.arange(4)
+    parts = _split_tensor(target, TensorChunkSpec(0), 4)
+    assert all(compat.is_view_of(p, target) for p in parts)
+    assert not compat.is_view_of(parts[0].detach().requires_grad_(False), target)
