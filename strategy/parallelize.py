@@ -133,15 +133,19 @@ def apply_fsdp(
     """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather.
 
     Each block's parameters are all-gathered right before its forward and freed after it
-    (``reshard_after_forward=True``), and its gradients reduce-scattered in backward. A root (the
+    (``reshard_after_forward=True``; the last block stays gathered until its backward, which follows at
+    once), and its gradients reduce-scattered in backward. A root (the
     LightningModule's top-level child, or a pipeline stage) gets the leftover parameters
     (embeddings, final norm, head) and is kept unsharded between forward and backward.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
     for root, blocks in parts:
-        for _, block in blocks:
-            shard(block, reshard_after_forward=reshard_after_forward)
+        for i, (_, block) in enumerate(blocks):
+            # The last block's backward comes right after its forward (only the head's lies between): resharding
+            # it would free its parameters only to gather them again at once (torchtitan keeps it gathered too).
+            last = i == len(blocks) - 1 and reshard_after_forward is True
+            shard(block, reshard_after_forward=False if last else reshard_after_forward)
         shard(root)
         sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
         for prev, nxt in zip(sharded, sharded[1:], strict=False):
