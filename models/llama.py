@@ -89,7 +89,27 @@ CONFIGS: dict[str, LlamaConfig] = {
 
 # Tensor-parallel plan as plain data: module-name glob (relative to the Llama module) -> style.
 # Cuboid turns the styles into DTensor parallel styles (cuboid.plans).
+# Sequence parallel between the blocks' projections (norms and residuals on sequence-sharded activations) and
+# loss parallel at the output (logits stay vocabulary-sharded), as torchtitan's Llama plan.
 TP_PLAN: dict[str, str] = {
+    "tok_embeddings": "embedding_sequence",
+    "layers.*.attention_norm": "sequence_parallel",
+    "layers.*.attention": "gather_sequence",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise_sequence",
+    "layers.*.ffn_norm": "sequence_parallel",
+    "layers.*.feed_forward": "gather_sequence",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise_sequence",
+    "norm": "sequence_parallel",
+    "output": "loss_parallel",
+}
+# The same split of the weights with replicated activations and gathered (plain) logits: every rank holds the whole
+# sequence between the blocks' projections, and ``self.model(x)`` returns a plain tensor.
+TP_PLAN_NO_SP: dict[str, str] = {
     "tok_embeddings": "embedding",
     "layers.*.attention.wq": "colwise",
     "layers.*.attention.wk": "colwise",
@@ -155,14 +175,18 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        # Rotary angles for this input's length (here, not in Llama.forward: between blocks the hidden state may be
+        # a slice of the sequence, as under sequence parallelism).
+        rope = rope_cache(s, rope_frequencies(self.cfg).to(x.device))
         # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope)
@@ -192,8 +216,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -257,9 +281,8 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = rope_cache(h.shape[1], rope_frequencies(self.cfg).to(h.device))
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

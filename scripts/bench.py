@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from cuboid import CuboidStrategy
-from cuboid.models import CONFIGS, TP_PLAN, Llama, LlamaConfig
+from cuboid.models import CONFIGS, TP_PLAN_NO_SP, Llama, LlamaConfig
 
 BENCH_CFG = LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=512)
 
@@ -71,7 +71,7 @@ class LM(L.LightningModule):
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
             plan = {}
-            for pattern, style in TP_PLAN.items():
+            for pattern, style in TP_PLAN_NO_SP.items():  # (loss parallel needs its context in backward)
                 for name, _ in self.model.named_modules():
                     if __import__("fnmatch").fnmatchcase(name, pattern):
                         plan[name] = to_parallel_style(style)

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, plans, stopping
+from cuboid import compat, loss_parallel, plans, stopping
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
@@ -164,6 +164,7 @@ class CuboidStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         self._host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
         self._stop: stopping.StopAgreement | None = None
+        self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -318,6 +319,7 @@ class CuboidStrategy(ParallelStrategy):
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
         matched = plans.resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
+        matched, self.loss_parallel.enabled = loss_parallel.under_pipeline(matched, self.layout.pp)
         if self.layout.pp > 1:  # positions in a Lightning optimizer state follow the whole model's order
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
@@ -357,16 +359,17 @@ class CuboidStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     @override
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._stop is not None:  # every rank stops here, at the same step, if any rank was sent SIGTERM
             self._stop.check()
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pp > 1 the schedule runs forward and backward of every microbatch; the loss returned (the
         microbatch mean) is the same on every rank."""
         if not self.pipelining.enabled:
-            return super().training_step(*args, **kwargs)
+            with self.loss_parallel.step(self.lightning_module):
+                return loss_parallel.plain_output(super().training_step(*args, **kwargs))
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
         return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
@@ -374,20 +377,23 @@ class CuboidStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if not self.pipelining.enabled:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self.loss_parallel.backward():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pipelining.restore_grads(self.lightning_module)
         return closure_loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.pipelining.enabled:
-            return super().validation_step(*args, **kwargs)
+            with self.loss_parallel.step(self.lightning_module):
+                return loss_parallel.plain_output(super().validation_step(*args, **kwargs))
         return self._pipelined_eval("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.pipelining.enabled:
-            return super().test_step(*args, **kwargs)
+            with self.loss_parallel.step(self.lightning_module):
+                return loss_parallel.plain_output(super().test_step(*args, **kwargs))
         return self._pipelined_eval("test_step", args, kwargs)
 
     def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:

@@ -17,6 +17,13 @@ embedding (embedding_rowwise)  Embedding: shard the vocabulary; lookups summed (
 embedding_colwise              Embedding: shard the hidden dim; slices all-gathered (output replicated)
 sequence_parallel              norms/dropout on sequence-sharded activations (weights replicated)
 (sequence_parallel_output)
+embedding_sequence             Embedding: shard the vocabulary; lookups reduce-scattered along the sequence
+                               (dim 1): the residual stream leaves it sequence-sharded
+rowwise_sequence               Linear: shard input features; output reduce-scattered along the sequence
+gather_sequence                a module whose first input is sequence-sharded (after a sequence-parallel
+                               norm): all-gather it along the sequence before the module runs
+loss_parallel                  Linear: shard output features and keep the logits vocabulary-sharded for
+                               cross-entropy under torch's ``loss_parallel`` (the strategy enters it)
 replicated_with_grad_allreduce weights replicated, gradients summed over tp: a norm that sees only this
                                rank's heads (Qwen3's ``q_norm``/``k_norm``)
 all_reduce                     the module's output is a partial sum: all-reduce it
@@ -35,7 +42,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,6 +61,10 @@ STYLES: dict[str, str] = {
     "embedding": "shard the vocabulary of an nn.Embedding; output summed over tp (replicated)",
     "embedding_colwise": "shard the hidden dim of an nn.Embedding; output all-gathered (replicated)",
     "sequence_parallel": "shard activations along the sequence dim around norms (weights replicated)",
+    "embedding_sequence": "shard the vocabulary of an nn.Embedding; output reduce-scattered along the sequence",
+    "rowwise_sequence": "shard the input features; output reduce-scattered along the sequence (dim 1)",
+    "gather_sequence": "all-gather the module's sequence-sharded first input before it runs",
+    "loss_parallel": "shard the output features; logits stay vocabulary-sharded for a loss-parallel cross-entropy",
     "replicated_with_grad_allreduce": "weights replicated, gradients summed over tp (per-head norms)",
     "all_reduce": "all-reduce the module's partial output",
     "local_params": "run the module with its own tp-sharded parameters as local tensors",
@@ -112,6 +123,14 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "sequence_parallel":
         return SequenceParallel()
+    if name == "embedding_sequence":
+        return SequenceShardedEmbedding()
+    if name == "rowwise_sequence":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if name == "gather_sequence":
+        return GatherSequence()
+    if name == "loss_parallel":
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if name == "replicated_with_grad_allreduce":
         return LocalParams(replicate_plain=True, grad_placements=[Partial()])
     if name == "all_reduce":
@@ -126,15 +145,15 @@ def sharded_size(module: nn.Module, style: str) -> tuple[int, str] | None:
     weight = getattr(module, "weight", None)
     if weight is None or weight.dim() != 2:
         return None
-    if style in ("colwise", "output"):
+    if style in ("colwise", "output", "loss_parallel"):
         if isinstance(module, nn.Embedding):
             return weight.shape[1], "embedding dim"
         return weight.shape[0], "output features"
-    if style in ("rowwise", "rowwise_split_input"):
+    if style in ("rowwise", "rowwise_split_input", "rowwise_sequence"):
         if isinstance(module, nn.Embedding):
             return weight.shape[0], "embeddings (vocabulary rows)"
         return weight.shape[1], "input features"
-    if style == "embedding":
+    if style in ("embedding", "embedding_sequence"):
         return weight.shape[0], "embeddings (vocabulary rows)"
     if style == "embedding_colwise":
         return weight.shape[1], "embedding dim"
@@ -180,4 +199,43 @@ class LocalParams(ParallelStyle):
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(restore)
+        return module
+
+
+class SequenceShardedEmbedding(RowwiseParallel):
+    """A vocabulary-sharded embedding whose output is reduce-scattered along the sequence (dim 1), checking first
+    that the sequence splits evenly over tp (sequence parallel cannot shard an uneven one)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=Shard(1))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+
+        def check(mod: nn.Module, args: tuple) -> None:
+            tokens = args[0]
+            if tokens.dim() > 1 and tokens.shape[1] % tp:
+                raise PlanError(
+                    f"sequence length {tokens.shape[1]} is not divisible by tensor_parallel={tp}: sequence parallel "
+                    f"shards the sequence over the tp ranks. Use a sequence length that is a multiple of {tp}, or "
+                    "a plan without sequence parallel (cuboid.models.TP_PLAN_NO_SP for the reference Llama)."
+                )
+
+        module.register_forward_pre_hook(check)
+        return super()._apply(module, device_mesh)
+
+
+class GatherSequence(ParallelStyle):
+    """All-gather a module's first input along the sequence (dim 1) before it runs: the input arrives
+    sequence-sharded (a local tensor or a ``Shard(1)`` DTensor) and the module gets a replicated DTensor, whose
+    gradient is reduce-scattered back once in backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            first, *rest = args
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
+            return (first.redistribute(device_mesh, [Replicate()]), *rest), kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
         return module

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cuboid.materialize import init_module
-from cuboid.models import CONFIGS, TP_PLAN, Llama, LlamaConfig
+from cuboid.models import CONFIGS, TP_PLAN, TP_PLAN_NO_SP, Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -69,7 +69,7 @@ def test_tp_plan_names_real_modules() -> None:
     import fnmatch
 
     names = [n for n, _ in Llama(CFG).named_modules()]
-    for pattern in TP_PLAN:
+    for pattern in [*TP_PLAN, *TP_PLAN_NO_SP]:
         assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
 
 

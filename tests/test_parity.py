@@ -159,8 +159,11 @@ def test_layout_is_real(name: str, results) -> None:
     for facts in ranks:
         for pname, (dims, placements, local, full) in facts["placements"].items():
             is_tp = tp > 1 and pname.endswith(COLWISE + ROWWISE)
+            is_norm = tp > 1 and pname.endswith("norm.weight")  # sequence parallel: replicated over tp
             expected_dims = ("dp_replicate", "dp_shard") if rep > 1 else ("dp_shard",)
-            assert tuple(dims) == expected_dims + (("tp",) if is_tp else ()), (pname, dims)
+            assert tuple(dims) == expected_dims + (("tp",) if is_tp or is_norm else ()), (pname, dims)
+            if is_norm:
+                assert placements[-1] == "R", (pname, placements)
             if rep > 1:
                 assert placements[0] == "R", (pname, placements)
             if is_tp:
@@ -201,8 +204,9 @@ def test_activation_checkpointing_is_real(layout: str, results) -> None:
     ops = {ac: results[f"{layout}{ac}"]["ranks"][0]["backward_ops"] for ac in ("", "-ac_selective", "-ac_full")}
     assert ops[""]["total"] < ops["-ac_selective"]["total"] < ops["-ac_full"]["total"], ops
     assert ops[""]["mm"] == ops["-ac_selective"]["mm"] < ops["-ac_full"]["mm"], ops
-    if "tp" in layout:  # selective keeps the tensor-parallel all-reduces' outputs; full runs them again
-        assert 0 < ops[""]["all_reduce"] == ops["-ac_selective"]["all_reduce"] < ops["-ac_full"]["all_reduce"], ops
+    if "tp" in layout:  # selective keeps the tensor-parallel collectives' outputs; full runs them again
+        tp = {ac: ops[ac]["tp_collectives"] for ac in ops}
+        assert 0 < tp[""] == tp["-ac_selective"] < tp["-ac_full"], ops
 
 
 @pytest.mark.slow

@@ -56,6 +56,8 @@ class LogitsModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         logits = self.model(batch["tokens"])
+        if hasattr(logits, "full_tensor"):  # the reference plan's loss parallel: vocabulary-sharded DTensor logits
+            logits = logits.full_tensor()
         self.logits.update({int(i): row.detach().cpu().clone() for i, row in zip(batch["idx"], logits, strict=True)})
 
     def configure_optimizers(self):

@@ -88,11 +88,8 @@ def backward_ops(module: LlamaModule) -> dict[str, int]:
     with counter:
         loss.backward()
     module.zero_grad()
-    return {
-        "total": sum(counter.ops.values()),
-        "mm": counter.ops.get("mm", 0),
-        "all_reduce": counter.ops.get("all_reduce", 0),
-    }
+    collectives = sum(counter.ops.get(k, 0) for k in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
+    return {"total": sum(counter.ops.values()), "mm": counter.ops.get("mm", 0), "tp_collectives": collectives}
 
 
 class NoModelCall(LlamaModule):

@@ -1,0 +1,94 @@
+"""Loss parallel: cross-entropy on logits that stay sharded over the vocabulary, with the user's step unchanged.
+
+A plan entry ``"output": "loss_parallel"`` keeps the output projection's logits vocabulary-sharded (a DTensor on the
+tp mesh) instead of all-gathering them: with a 128k vocabulary that gather is the largest activation of the model.
+``F.cross_entropy`` on such logits is computed shard by shard under torch's ``loss_parallel()`` context, which the
+strategy enters around the step hooks and the backward. Within a step, ``F.cross_entropy`` (what
+``nn.CrossEntropyLoss`` and Hugging Face losses call) returns a plain tensor again (the loss is replicated over tp;
+its gradient still flows into the sharded computation), so torchmetrics, Lightning's logging, callbacks and
+checkpoint monitors never see a DTensor loss; other DTensor values the step logs or returns are made plain too.
+
+What changes for user code: ``self.model(x)`` returns a DTensor under tensor parallel. Cross-entropy works as is;
+code that mixes logits with plain tensors (an accuracy on ``logits.argmax(-1)``) needs ``logits.full_tensor()``,
+or a plan with ``"output": "output"`` (logits gathered, plain). Under pipeline parallel the output projection
+runs inside the schedule, and its ``"loss_parallel"`` entry is applied as ``"output"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+
+def plain(value: Any) -> Any:
+    """A DTensor as the plain tensor Lightning can log: this rank's copy when replicated, else gathered."""
+    if not isinstance(value, DTensor):
+        return value
+    if all(p.is_replicate() for p in value.placements):
+        return value.to_local()
+    return value.full_tensor()
+
+
+def plain_output(output: Any) -> Any:
+    """A step's return value with a DTensor loss made plain (gradients still flow into the DTensor graph)."""
+    if isinstance(output, DTensor):
+        return plain(output)
+    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": plain(output["loss"])}
+    return output
+
+
+class LossParallel:
+    """Whether the plan keeps logits vocabulary-sharded; the contexts the strategy's step hooks run in."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+
+    @contextmanager
+    def step(self, lm: Any) -> Generator[None, None, None]:
+        """Run a step hook under ``loss_parallel()``, its ``self.log``/``self.log_dict`` values made plain."""
+        if not self.enabled:
+            yield
+            return
+        log, log_dict = lm.log, lm.log_dict
+
+        def plain_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            log(name, plain(value), *args, **kwargs)
+
+        def plain_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+            log_dict({k: plain(v) for k, v in dictionary.items()}, *args, **kwargs)
+
+        lm.__dict__["log"], lm.__dict__["log_dict"] = plain_log, plain_log_dict
+        original = F.cross_entropy
+
+        def cross_entropy(input: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(input, *args, **kwargs)
+            return plain(out) if isinstance(input, DTensor) else out
+
+        F.cross_entropy = cross_entropy  # looked up at call time by F users, nn.CrossEntropyLoss and transformers
+        try:
+            with loss_parallel():
+                yield
+        finally:
+            F.cross_entropy = original
+            del lm.__dict__["log"], lm.__dict__["log_dict"]
+
+    def backward(self) -> AbstractContextManager[None]:
+        return loss_parallel() if self.enabled else nullcontext()
+
+
+__all__ = ["LossParallel", "plain", "plain_output"]
+
+
+def under_pipeline(matched: dict[str, tuple[Any, str]], pp: int) -> tuple[dict[str, tuple[Any, str]], bool]:
+    """The plan to apply and whether loss parallel is on: under pp > 1, ``"loss_parallel"`` entries become
+    ``"output"`` (the schedule's loss function on the last stage runs outside the strategy's step context)."""
+    uses = any(style == "loss_parallel" for _, style in matched.values())
+    if not uses or pp == 1:
+        return matched, uses
+    return {name: (module, "output" if s == "loss_parallel" else s) for name, (module, s) in matched.items()}, False
