@@ -9,7 +9,9 @@ step's start to the next counts what reaches the dispatcher: host syncs (``aten.
 ``float(t)``, ``bool(t)``; on a GPU these stall the launch queue), and each ``c10d`` collective with its bytes (the
 largest tensor argument: the gathered buffer of an all-gather, the input of a reduce-scatter). Object collectives
 (``broadcast_object_list``, ``all_gather_object``, ...) are counted where they are called. Steps split into those
-that log and those that do not; warm-up steps are dropped. Lightning's ModelParallelStrategy runs the same module
+that log and those that do not; warm-up steps are dropped. ``saved KiB``: what autograd keeps for backward in one
+step (distinct storages through ``saved_tensors_hooks``: activations, and the weights matmuls keep), which
+sequence parallel shrinks (``tp2`` against ``tp2-no_sp``). Lightning's ModelParallelStrategy runs the same module
 on the dp x tp layouts (parallelized by hand, as bench.py does). Writes ``docs/bench/overhead.json``.
 """
 
@@ -27,15 +29,19 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
-from cuboid.models import CausalLM, LlamaConfig
+from cuboid.models import TP_PLAN_NO_SP, CausalLM, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+NO_SP = {f"model.{k}": v for k, v in TP_PLAN_NO_SP.items()}  # the reference plan without sequence/loss parallel
 LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
-    2: [("dp2", "cuboid", {}), ("tp2", "cuboid", {"tensor_parallel": 2}), ("pp2", "cuboid", {"pipeline_parallel": 2}),
+    2: [("dp2", "cuboid", {}), ("tp2", "cuboid", {"tensor_parallel": 2}),
+        ("tp2-no_sp", "cuboid", {"tensor_parallel": 2, "tensor_parallel_plan": NO_SP}),
+        ("tp2-ac_selective", "cuboid", {"tensor_parallel": 2, "activation_checkpointing": "selective"}),
+        ("pp2", "cuboid", {"pipeline_parallel": 2}),
         ("dp2", "lightning_mp", {}), ("tp2", "lightning_mp", {"tensor_parallel_size": 2})],
     4: [("dp2xtp2", "cuboid", {"tensor_parallel": 2}), ("pp2xdp2", "cuboid", {"pipeline_parallel": 2}),
         ("pp2xdp2-reshard", "cuboid", {"pipeline_parallel": 2, "reshard_after_forward": True}),
@@ -56,6 +62,7 @@ class Counter(TorchDispatchMode):
         self.sites: dict[str, int] = defaultdict(int)
         self.host_syncs = 0
         self.objects = 0
+        self.saved: dict[int, int] = {}  # storages autograd saved for backward: data pointer -> bytes
         self.collectives: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -87,6 +94,7 @@ class Counter(TorchDispatchMode):
             "host_syncs": self.host_syncs,
             "object_collectives": self.objects,
             "collectives": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(self.collectives.items())},
+            "saved_bytes": sum(self.saved.values()),
             "sites": dict(self.sites),
         }
 
@@ -117,6 +125,22 @@ class StepWindows(L.Callback):
 
             setattr(dist, name, counted)
 
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Saved for backward (activations, and the weights a matmul keeps): bytes per distinct storage."""
+        self._count_storage(tensor)
+        return tensor
+
+    def _count_storage(self, tensor: Any) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if is_traceable_wrapper_subclass(tensor):  # DTensor, a functional collective's result: count what they wrap
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                self._count_storage(getattr(tensor, name))
+        elif tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            self.counter.saved[storage.data_ptr()] = storage.nbytes()
+
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._close()
         self._logs = trainer._logger_connector.should_update_logs  # noqa: SLF001 (a benchmark may look inside)
@@ -124,11 +148,14 @@ class StepWindows(L.Callback):
         self.counter.reset(steps)
         if not self._active:
             self.counter.__enter__()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._hooks.__enter__()
             self._active = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close()
         if self._active:
+            self._hooks.__exit__(None, None, None)
             self.counter.__exit__(None, None, None)
             self._active = False
 
@@ -180,6 +207,9 @@ def run_layout(name: str, kind: str, kwargs: dict, world: int, steps: int, log_e
                    * kwargs.get("pipeline_parallel", 1))  # fmt: skip
     tokens = torch.randint(0, CFG.vocab_size, (8 * steps * dp, 33), generator=torch.Generator().manual_seed(0))
     trainer.fit(module, DataLoader(tokens, batch_size=8))
+    if kwargs.get("activation_checkpointing"):  # the checkpoint's own hooks hold what it keeps: not counted here
+        for step in windows.steps:
+            step["saved_bytes"] = None
     return {"layout": name, "strategy": kind, "world": world, "steps": windows.steps}
 
 
@@ -192,6 +222,7 @@ def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         kinds = sorted({k for s in chosen for k in s["collectives"]})
         out[label] = {
             "steps": len(chosen),
+            "saved_bytes": None if chosen[0]["saved_bytes"] is None else max(s["saved_bytes"] for s in chosen),
             "host_syncs": sum(s["host_syncs"] for s in chosen) / len(chosen),
             "object_collectives": sum(s["object_collectives"] for s in chosen) / len(chosen),
             "collectives": {
@@ -228,16 +259,20 @@ def _max_over_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _kib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 1024:.0f}"
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'layout':<18}{'strategy':<14}{'step':<9}{'host syncs':>11}{'object coll.':>13}  collectives per step "
-             "(count, KiB)"]  # fmt: skip
+    lines = [f"{'layout':<18}{'strategy':<14}{'step':<9}{'host syncs':>11}{'object coll.':>13}{'saved KiB':>10}  "
+             "collectives per step (count, KiB)"]  # fmt: skip
     for r in results:
         for label, s in r["rank0"].items():
             worst = r["max_over_ranks"][label]
             kinds = ", ".join(f"{k} {v['count']:g} ({v['bytes'] / 1024:.0f})" for k, v in s["collectives"].items())
             lines.append(
                 f"{r['layout']:<18}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
-                f"{worst['object_collectives']:>13g}  {kinds}"
+                f"{worst['object_collectives']:>13g}{_kib(s['saved_bytes']):>10}  {kinds}"
             )
     return "\n".join(lines)
 
