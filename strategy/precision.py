@@ -9,7 +9,7 @@ across all shards, see :mod:`cuboid.grad_norm`).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from cuboid.grad_norm import clip_grad_norm_
+from cuboid.grad_norm import clip_grad_norm_, global_grad_norm
+from cuboid.nonfinite import NonFiniteGuard
 
 SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -52,6 +53,7 @@ class CuboidPrecision(Precision):
         self.flattened_dims: Mapping[str, tuple[str, ...]] = dict(flattened_dims or {})
         self.last_grad_norm: torch.Tensor | None = None
         self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
+        self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -91,3 +93,19 @@ class CuboidPrecision(Precision):
         self.last_grad_norm = clip_grad_norm_(
             params, float(clip_val), self.device_mesh, self.flattened_dims, self.counted_elsewhere
         )
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Lightning's order (closure: step and backward; then ``on_before_optimizer_step`` and clipping), with the
+        non-finite check (``nonfinite=``) between the closure and the optimizer step when it is on."""
+        if not self.nonfinite.enabled:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        loss = self._wrap_closure(model, optimizer, closure)
+        norm = self.last_grad_norm
+        if model.trainer.gradient_clip_val is None:  # not clipped: nothing measured the norm yet
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = global_grad_norm(params, self.device_mesh, self.flattened_dims, self.counted_elsewhere)
+        device = loss.device if isinstance(loss, torch.Tensor) else (norm.device if norm is not None else "cpu")
+        if not self.nonfinite.step_is_finite(loss, norm, model.trainer.global_step, torch.device(device)):
+            return loss
+        return optimizer.step(**kwargs)
