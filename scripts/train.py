@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 import cuboid  # noqa: F401  (registers strategy="cuboid")
-from cuboid import CuboidStrategy
+from cuboid import CuboidStrategy, latest_checkpoint
 from cuboid.monitor import CuboidMonitor
 
 
@@ -69,14 +69,31 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} cannot hold byte tokens (256); set it to >= 256.")
 
 
-def make_logger(cfg: DictConfig) -> Any:
+WANDB_ID_FILE = "wandb_run_id"  # beside the checkpoints: a requeued job logs to the same W&B run
+
+
+def make_logger(cfg: DictConfig, ckpt_dir: Path, resuming: bool) -> Any:
     if not cfg.get("logger"):
         return False
     logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True)
-    if logger_cfg["_target_"].endswith("WandbLogger") and logger_cfg.get("offline") is None:
-        has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
-        logger_cfg["offline"] = not has_key
+    if logger_cfg["_target_"].endswith("WandbLogger"):
+        if logger_cfg.get("offline") is None:
+            has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+            logger_cfg["offline"] = not has_key
+        id_file = ckpt_dir / WANDB_ID_FILE
+        if resuming and id_file.is_file() and not logger_cfg.get("id"):
+            logger_cfg.update(id=id_file.read_text().strip(), resume="allow")
     return instantiate(logger_cfg)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
+    """``auto``: the newest complete checkpoint in this run's checkpoint directory (a requeued job's own), or
+    None (a fresh start); any other value as given."""
+    if ckpt_path != "auto":
+        return ckpt_path
+    found = latest_checkpoint(ckpt_dir)
+    print(f"cuboid: ckpt_path=auto: {'resuming from ' + str(found) if found else 'no checkpoint in ' + str(ckpt_dir)}")
+    return str(found) if found else None
 
 
 def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
@@ -102,14 +119,16 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningModule, strategy: Any) -> None:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    logger = make_logger(cfg)
+    ckpt_dir = out_dir / "checkpoints"
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
+    logger = make_logger(cfg, ckpt_dir, resuming=ckpt_path is not None)
     history = LossHistory()
     callbacks: list[L.Callback] = [CuboidMonitor(), history]
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.checkpoint:
         # save_last="link": `last.ckpt` is a link to the newest checkpoint, not a second copy of it
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last="link"))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last="link"))
     trainer: L.Trainer = instantiate(
         cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks, enable_checkpointing=bool(cfg.checkpoint)
     )
@@ -119,11 +138,14 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
         logger.log_hyperparams(
             {**OmegaConf.to_container(cfg, resolve=True), "layout": layout, "world_size": world_size}
         )
+        if trainer.is_global_zero and type(logger).__name__ == "WandbLogger":
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            (ckpt_dir / WANDB_ID_FILE).write_text(logger.experiment.id)
     start = time.perf_counter()
     if cfg.mode == "validate":
-        trainer.validate(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.validate(task, datamodule=datamodule, ckpt_path=ckpt_path)
     else:
-        trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
     wall = time.perf_counter() - start
     ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
     me = {

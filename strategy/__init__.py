@@ -6,6 +6,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from cuboid.checkpoint_glue import latest_checkpoint
 from cuboid.layout import Layout, LayoutError
 from cuboid.plans import PlanError
 from cuboid.precision import CuboidPrecision
@@ -14,5 +15,5 @@ from cuboid.strategy import CuboidStrategy
 if CuboidStrategy.strategy_name not in StrategyRegistry:
     CuboidStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CuboidPrecision", "CuboidStrategy", "Layout", "LayoutError", "PlanError"]
+__all__ = ["CuboidPrecision", "CuboidStrategy", "Layout", "LayoutError", "PlanError", "latest_checkpoint"]
 __version__ = "0.1.0"

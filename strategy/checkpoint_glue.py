@@ -208,3 +208,25 @@ def _linked_from(path: Path) -> bool:
         return False
     target = path.resolve()
     return any(p.is_symlink() and p.resolve() == target for p in path.parent.iterdir() if p != path)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (what ``ckpt_path="auto"`` resumes from), or None.
+
+    Complete: a sharded checkpoint directory with its metadata, or a ``checkpoint_format="full"`` file; temporary
+    (``.<name>.tmp``) and replaced (``.<name>.old``) ones are skipped, and a ``last`` link counts as its target.
+    Newest: by the time its metadata was written.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    found: dict[Path, float] = {}
+    for entry in root.iterdir():
+        if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
+            continue
+        target = entry.resolve()
+        if ckpt.is_sharded_checkpoint(target):
+            found[target] = (target / ckpt.META_FILE).stat().st_mtime
+        elif target.is_file():
+            found[target] = target.stat().st_mtime
+    return max(found, key=found.__getitem__) if found else None

@@ -137,6 +137,17 @@ def take_over_sigterm(trainer: Any, on_signal: Callable[[], None]) -> Callable[[
     return mark
 
 
+def take_over_slurm_requeue_signal(trainer: Any, on_signal: Callable[[], None]) -> None:
+    """Make Lightning's SLURM auto-requeue handler (``_SignalConnector._slurm_sigusr_handler_fn``, registered for
+    SIGUSR1 under SLURM) call ``on_signal`` instead of saving a checkpoint from inside the signal handler, at a
+    different point on each rank. Must run before the Trainer registers its handlers."""
+
+    def notify(signum: Any, frame: Any) -> None:
+        on_signal()
+
+    trainer._signal_connector._slurm_sigusr_handler_fn = notify
+
+
 # --- torch -----------------------------------------------------------------------------------------------------
 
 

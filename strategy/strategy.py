@@ -27,6 +27,7 @@ from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
 from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.nonfinite import NonFiniteGuard
 from cuboid.parallelize import (
     ACMode,
     check_ac_mode,
@@ -100,6 +101,18 @@ class CuboidStrategy(ParallelStrategy):
             the submodule's prefix, or through the submodule's ``pretrained_names()`` adapter (Cuboid's Llama
             has one for Hugging Face Llama files). Missing, unexpected or misshapen tensors stop setup, with
             the list, before anything is loaded. ``None`` values are ignored (Hydra's empty default).
+        preempt_on: Signals on which every rank, after the same optimizer step, saves one checkpoint
+            (``preempted-step=N.ckpt`` in the ModelCheckpoint's directory, else ``<default_root_dir>/checkpoints``)
+            and stops; rank 0 then asks SLURM to requeue the job (``scontrol requeue``) when it runs under one.
+            Default ``("SIGUSR1", "SIGTERM")``: what ``sbatch --signal=USR1@120`` and SLURM's preemption send.
+            ``()``: a SIGTERM stops every rank at the same step without saving (Lightning's behaviour). A signal
+            to any one rank counts; handlers never run a collective. Resume with ``ckpt_path="auto"`` in the main
+            job, or ``cuboid.latest_checkpoint(directory)``.
+        nonfinite: ``"raise"``: a NaN/Inf loss (on any rank) or global gradient norm stops every rank before the
+            optimizer step, naming the step and the ranks (:class:`cuboid.nonfinite.NonFiniteError`). ``"skip"``:
+            that optimizer step is dropped on every rank together, with a warning. Either way no update and no
+            checkpoint comes from non-finite values. Costs one host read per optimizer step; ``None`` (default)
+            checks nothing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
@@ -125,6 +138,8 @@ class CuboidStrategy(ParallelStrategy):
         async_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         pretrained: Mapping[str, str | Path | None] | None = None,
+        preempt_on: Sequence[str] = ("SIGUSR1", "SIGTERM"),
+        nonfinite: Literal["raise", "skip"] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -164,6 +179,9 @@ class CuboidStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         self._host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
         self._stop: stopping.StopAgreement | None = None
+        self.preempted_to: Path | None = None  # the checkpoint a preemption signal made this run save, if any
+        self.preempt_on = stopping.signal_numbers(preempt_on)
+        self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
@@ -274,6 +292,7 @@ class CuboidStrategy(ParallelStrategy):
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, _FLATTENED)
+        self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
@@ -306,7 +325,7 @@ class CuboidStrategy(ParallelStrategy):
         if self._host_group is None:
             self._host_group = stopping.host_group()
         if trainer.state.fn == TrainerFn.FITTING:  # the per-step stop check, through host memory
-            self._stop = stopping.StopAgreement(trainer, self._host_group)
+            self._stop = stopping.StopAgreement(trainer, self._host_group, self.preempt_on)
             self._stop.install()
         self.model_to_device()
         self.barrier()
@@ -358,11 +377,6 @@ class CuboidStrategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._stop is not None:  # every rank stops here, at the same step, if any rank was sent SIGTERM
-            self._stop.check()
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pp > 1 the schedule runs forward and backward of every microbatch; the loss returned (the
@@ -506,6 +520,10 @@ class CuboidStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpointer.wait()
+        if self._stop is not None:
+            self._stop.uninstall()
+            self.preempted_to = self._stop.preempted_to or self.preempted_to
+            self._stop = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -294,3 +294,19 @@ def test_a_pipeline_target_split_is_a_view_and_its_inference_copy_is_not() -> No
     parts = _split_tensor(target, TensorChunkSpec(0), 4)
     assert all(compat.is_view_of(p, target) for p in parts)
     assert not compat.is_view_of(parts[0].detach().requires_grad_(False), target)
+
+
+def test_slurm_requeue_handler_is_looked_up_on_the_connector_when_registered() -> None:
+    """StopAgreement replaces ``_slurm_sigusr_handler_fn`` on the trainer's connector before Lightning registers its
+    handlers: Lightning must take the handler from the connector at registration, not from the class."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "self._slurm_sigusr_handler_fn" in source and "self._sigterm_notifier_fn" in source
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    heard = []
+    compat.take_over_slurm_requeue_signal(trainer, lambda: heard.append(True))
+    trainer._signal_connector._slurm_sigusr_handler_fn(10, None)
+    assert heard == [True]

@@ -92,6 +92,28 @@ def backward_ops(module: LlamaModule) -> dict[str, int]:
     return {"total": sum(counter.ops.values()), "mm": counter.ops.get("mm", 0), "tp_collectives": collectives}
 
 
+class SignalAt(L.Callback):
+    """Send ``signal`` to this process at the end of step ``step`` on rank ``rank``."""
+
+    def __init__(self, rank: int, step: int, signal: str) -> None:
+        self.rank, self.step, self.signal = rank, step, signal
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class NanLoss(LlamaModule):
+    """The loss of step 3 is NaN on rank 1 (its gradients too, so every rank's after the reduce-scatter)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == 3 and self.global_rank == 1 else loss
+
+
 class NoModelCall(LlamaModule):
     """A step that never calls self.model: it cannot be pipelined, and must say so."""
 
@@ -164,7 +186,7 @@ def run(spec: dict, out_dir: Path) -> None:
         dataset = third_party.dataset(family, spec.get("samples", 96))
         clip = third_party.CLIP[family]
     else:
-        kinds = {"no_model_call": NoModelCall, "stray_parameter": StrayParameter}
+        kinds = {"no_model_call": NoModelCall, "stray_parameter": StrayParameter, "nan_loss": NanLoss}
         module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
         dataset = TokenDataset(n=spec.get("samples", 96))
         clip = CLIP[spec.get("accumulate", 1)]
@@ -178,6 +200,8 @@ def run(spec: dict, out_dir: Path) -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=spec["save_epoch_end"], filename="{epoch}-{step}", save_top_k=-1))
+    if spec.get("signal_at"):  # a signal to one rank at the end of one step, as SLURM would send it
+        callbacks.append(SignalAt(**spec["signal_at"]))
     if spec.get("early_stopping"):
         from lightning.pytorch.callbacks import EarlyStopping
 
@@ -209,6 +233,7 @@ def run(spec: dict, out_dir: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        default_root_dir=spec.get("default_root_dir"),
     )
     # Lightning swaps in a DistributedSampler over the dp ranks, shuffled with the global seed per epoch.
     loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp), shuffle=True)
@@ -219,7 +244,16 @@ def run(spec: dict, out_dir: Path) -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, loader, val_loader, ckpt_path=spec.get("resume_from"), **fit_kwargs)
+        resume = spec.get("resume_from")
+        if resume and resume.startswith("auto:"):
+            from cuboid import latest_checkpoint
+
+            resume = str(latest_checkpoint(resume[len("auto:") :]))
+        try:
+            trainer.fit(module, loader, val_loader, ckpt_path=resume, **fit_kwargs)
+            stopped_by = None
+        except SystemExit as exit_:  # Lightning's SIGTERMException: every rank stopped at the same step
+            stopped_by = type(exit_).__name__
     compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
@@ -248,6 +282,9 @@ def run(spec: dict, out_dir: Path) -> None:
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         "compiled_graphs": compiled_graphs,
         "stopped_at": trainer.global_step,
+        "stopped_by": stopped_by,
+        "skipped": list(strategy.nonfinite.skipped),
+        "preempted_to": str(strategy.preempted_to) if strategy.preempted_to else None,
         "ckpt_group_at_start": facts.ckpt_group_at_start,
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
