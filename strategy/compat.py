@@ -159,6 +159,12 @@ def is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     return tensor._base is base
 
 
+def default_store() -> Any:
+    """The default process group's rendezvous store (a ``TCPStore`` hosted by rank 0's process), which the peer
+    watchdog writes its heartbeats to. ``torch.distributed`` keeps it but has no public getter."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
     twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -37,6 +38,7 @@ from cuboid.parallelize import (
 )
 from cuboid.pipeline_steps import Pipelining, batch_and_index
 from cuboid.precision import CuboidPrecision
+from cuboid.watchdog import PeerWatchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,6 +115,10 @@ class CuboidStrategy(ParallelStrategy):
             that optimizer step is dropped on every rank together, with a warning. Either way no update and no
             checkpoint comes from non-finite values. Costs one host read per optimizer step; ``None`` (default)
             checks nothing.
+        peer_timeout: Seconds without a heartbeat (through the rendezvous store, once a second) after which a rank
+            is taken for dead: every other rank stops with a message naming it (exit code 3) instead of waiting
+            in a collective until ``timeout``. ``None`` or ``0``: no watchdog (env ``CUBOID_PEER_TIMEOUT``
+            overrides).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
     """
@@ -140,6 +146,7 @@ class CuboidStrategy(ParallelStrategy):
         pretrained: Mapping[str, str | Path | None] | None = None,
         preempt_on: Sequence[str] = ("SIGUSR1", "SIGTERM"),
         nonfinite: Literal["raise", "skip"] | None = None,
+        peer_timeout: float | None = 6.0,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -179,9 +186,13 @@ class CuboidStrategy(ParallelStrategy):
         self._pretrained_loaded = False
         self._host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
         self._stop: stopping.StopAgreement | None = None
-        self.preempted_to: Path | None = None  # the checkpoint a preemption signal made this run save, if any
+        self.preempted_to: Path | None = None
+        self._watchdog: PeerWatchdog | None = (
+            None  # heartbeats through the rendezvous store (setup_environment)  # the checkpoint a preemption signal made this run save, if any
+        )
         self.preempt_on = stopping.signal_numbers(preempt_on)
         self.nonfinite = NonFiniteGuard(nonfinite)
+        self.peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
@@ -289,6 +300,7 @@ class CuboidStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         destroy_process_group_at_exit()
+        self._start_watchdog()
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, _FLATTENED)
@@ -296,6 +308,23 @@ class CuboidStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
+
+    def _start_watchdog(self) -> None:
+        if self.peer_timeout > 0 and self._watchdog is None:
+            store = compat.default_store()
+            self._watchdog = PeerWatchdog(store, self.global_rank, self.world_size, self.peer_timeout)
+            self._watchdog.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed collective (a closed connection, an NCCL error): give the watchdog its few seconds to name a
+        dead rank, and stop with that message (the process exits) rather than a transport error."""
+        text = str(exception)
+        communication = isinstance(exception, dist.DistError) or any(
+            word in text for word in ("Connection closed", "Connection reset", "gloo", "NCCL")
+        )
+        if communication and self._watchdog is not None:
+            self._watchdog.verdict()  # exits the process (code 3, the rank named) if a peer is found dead
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -519,6 +548,9 @@ class CuboidStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:  # first: a peer that finishes earlier must not look dead
+            self._watchdog.stop()
+            self._watchdog = None
         self.checkpointer.wait()
         if self._stop is not None:
             self._stop.uninstall()

@@ -195,6 +195,9 @@ def test_launcher_parts_and_process_group_helpers(tmp_path, monkeypatch) -> None
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
         compat.flatten_mesh(mesh["a", "b"], "ab")
         assert mesh["ab"].size() == 1 and mesh["ab"].mesh_dim_names == ("ab",)
+        store = compat.default_store()  # the peer watchdog's heartbeats: set, check, get on the rendezvous store
+        store.set("cuboid/heartbeat/0", "1")
+        assert store.check(["cuboid/heartbeat/0"]) and store.get("cuboid/heartbeat/0") == b"1"
     finally:
         dist.destroy_process_group()
 

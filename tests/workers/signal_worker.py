@@ -1,8 +1,10 @@
-"""A 2-process fit in which one rank is sent SIGTERM mid-epoch: every rank must stop at the same step.
+"""A 2-process fit in which one rank is sent a signal mid-epoch (SIGTERM by default).
 
-    python -m torch.distributed.run --nproc-per-node=2 signal_worker.py OUT_DIR SIGNALLED_RANK
+    python -m torch.distributed.run --nproc-per-node=2 signal_worker.py OUT_DIR SIGNALLED_RANK [SIGNAL]
+    python signal_worker.py OUT_DIR SIGNALLED_RANK SIGKILL      # Lightning's own launcher starts rank 1
 
-Each rank writes OUT_DIR/rank<r>.json: the exception it stopped with and the global step it stopped at.
+Each rank that stops writes OUT_DIR/rank<r>.json: the exception it stopped with and the global step. The
+signalled rank writes OUT_DIR/signal.json (the wall time) just before the signal.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -23,14 +26,15 @@ from cuboid import CuboidStrategy
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, signalled_rank: int) -> None:
+    def __init__(self, signalled_rank: int, sig: str, out: Path) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.signalled_rank = signalled_rank
+        self.signalled_rank, self.sig, self.out = signalled_rank, sig, out
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 3 and self.global_rank == self.signalled_rank:
-            os.kill(os.getpid(), signal.SIGTERM)  # as SLURM or a user would, in the middle of a step
+            (self.out / "signal.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid()}))
+            os.kill(os.getpid(), getattr(signal, self.sig))  # as SLURM, a user or the OOM killer would, mid-step
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
@@ -51,6 +55,7 @@ class Record(L.Callback):
 
 def main() -> None:
     out, signalled = Path(sys.argv[1]), int(sys.argv[2])
+    sig = sys.argv[3] if len(sys.argv) > 3 else "SIGTERM"
     L.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
@@ -65,7 +70,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[Record(out)],
     )
-    trainer.fit(Regressor(signalled), DataLoader(data, batch_size=8))
+    trainer.fit(Regressor(signalled, sig, out), DataLoader(data, batch_size=8))
     (out / f"rank{trainer.global_rank}.json").write_text(
         json.dumps({"exception": None, "global_step": trainer.global_step})
     )
