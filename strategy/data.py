@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -65,7 +66,8 @@ def prepare_tokens(
     files = _text_files([Path(s) for s in sources], patterns)
     if not files:
         raise DataError(f"no text files matching {list(patterns)} under {[str(s) for s in sources]}.")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    # Host and pid: two nodes on a shared filesystem may prepare the same file at once (pids repeat across nodes).
+    tmp = out.with_name(f".{out.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         return _prepare_with_tokenizer(files, out, tmp, max_bytes, tokenizer)

@@ -1,0 +1,245 @@
+"""The catalogue of wrong inputs: each fails before any work with a message that names what is wrong and the fix.
+
+Every case is cheap (no process group); README's "Common errors" section lists every case by its name (checked
+below), so the table there and this one cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from cuboid import CuboidStrategy, Layout, LayoutError, PlanError
+from cuboid.checkpoint import CheckpointError, check_loadable
+from cuboid.checkpoint_glue import Checkpointer
+from cuboid.models import Llama, LlamaConfig
+from cuboid.pipeline import PipelineError, find_pipeline_split, split_batch, stage_blocks
+from cuboid.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+class _Wrapper(L.LightningModule):
+    def __init__(self, cfg: LlamaConfig | None = None, plain: bool = False) -> None:
+        super().__init__()
+        if plain:
+            self.model = nn.Sequential(nn.Linear(4, 4))
+        else:
+            with torch.device("meta"):
+                self.model = Llama(cfg or LlamaConfig())
+
+
+class _ListModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(8, 4)
+        self.model.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+def _trainer(**strategy: object) -> None:
+    L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(**strategy), logger=False)
+
+
+def _slurm_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from cuboid.launch import check_slurm_tasks
+
+    for key, value in {"SLURM_NTASKS": "6", "SLURM_JOB_NAME": "train", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    check_slurm_tasks(SLURMEnvironment(), num_nodes=2, devices=4)
+
+
+def _train_config(**overrides: object) -> None:
+    import sys
+
+    from hydra import compose, initialize_config_module
+
+    sys.path.insert(0, str(README.parent / "scripts"))
+    from train import check_config
+
+    from hydra.core.hydra_config import HydraConfig
+
+    with initialize_config_module("cuboid.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"{k}={v}" for k, v in overrides.items()], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        del cfg["hydra"]  # (what @hydra.main hands the job: the hydra node only behind ${hydra:...})
+    check_config(cfg)
+
+
+# name -> (what to run, exception type, a regex the message must contain)
+CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
+    "sizes that do not multiply to the world size": (
+        lambda: Layout(dp_shard=3, tp=2).resolve(4),
+        LayoutError,
+        r"= 6 processes, but the world size .* is 4",
+    ),
+    "a size that does not divide the world size": (
+        lambda: Layout(tp=3).resolve(4),
+        LayoutError,
+        r"= 3 does not divide the world size 4",
+    ),
+    "a layout the Trainer's devices cannot hold (before any process starts)": (
+        lambda: _trainer(tensor_parallel=3),
+        LayoutError,
+        r"tensor_parallel \(3\)",
+    ),
+    "a non-positive size": (
+        lambda: CuboidStrategy(data_parallel_shard=0).layout.resolve(2),
+        LayoutError,
+        "must be a positive integer",
+    ),
+    "reshard_after_forward that does not divide the shard group": (
+        lambda: L.Trainer(accelerator="cpu", devices=4, strategy=CuboidStrategy(reshard_after_forward=3), logger=False),
+        LayoutError,
+        "must be True, False or a divisor",
+    ),  # fmt: skip
+    "an unknown activation_checkpointing mode": (
+        lambda: CuboidStrategy(activation_checkpointing="some"),
+        ValueError,
+        "activation_checkpointing='some'",
+    ),
+    "cpu_offload on a CPU": (lambda: _trainer(cpu_offload=True), ValueError, "Set cpu_offload=False"),
+    "an unsupported precision": (
+        lambda: L.Trainer(accelerator="cpu", devices=2, strategy="cuboid", precision="64-true", logger=False),
+        ValueError,
+        "does not support precision='64-true'",
+    ),  # fmt: skip
+    "an unknown checkpoint_format": (
+        lambda: Checkpointer("zip"),
+        ValueError,
+        "checkpoint_format='zip'; choose 'sharded'",
+    ),
+    "an unknown preemption signal": (
+        lambda: CuboidStrategy(preempt_on=("SIGFOO",)),
+        ValueError,
+        "'SIGFOO' is not a signal",
+    ),
+    "an unknown nonfinite mode": (
+        lambda: CuboidStrategy(nonfinite="sometimes"),
+        ValueError,
+        "nonfinite='sometimes'; choose None",
+    ),
+    "an unknown pipeline schedule": (
+        lambda: CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Chimera"),
+        PipelineError,
+        "unknown; choose one of GPipe",
+    ),  # fmt: skip
+    "fewer microbatches than pipeline stages": (
+        lambda: CuboidStrategy(pipeline_parallel=4, microbatches=2),
+        PipelineError,
+        "Use microbatches>=4",
+    ),
+    "virtual stages with a one-stage-per-rank schedule": (
+        lambda: CuboidStrategy(pipeline_parallel=2, virtual_stages=2),
+        PipelineError,
+        "needs an interleaved",
+    ),
+    "a zero-bubble schedule with resharding after forward": (
+        lambda: CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", reshard_after_forward=True),
+        PipelineError,
+        "use reshard_after_forward=False",
+    ),  # fmt: skip
+    "a zero-bubble schedule with activation checkpointing": (
+        lambda: CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", activation_checkpointing="full"),
+        PipelineError,
+        "does not combine",
+    ),  # fmt: skip
+    "blocks that do not split evenly into stages": (
+        lambda: stage_blocks(6, 4, None),
+        PipelineError,
+        r"Pass pipeline_split=\[\.\.\.\]",
+    ),
+    "a pipeline_split of the wrong length": (
+        lambda: stage_blocks(6, 4, [3, 3]),
+        PipelineError,
+        "must have 4 non-negative numbers",
+    ),
+    "a batch the microbatches cannot split": (
+        lambda: split_batch({"tokens": torch.zeros(6, 3)}, 4),
+        PipelineError,
+        "not divisible by microbatches=4",
+    ),
+    "a model that is not pipeline-ready": (
+        lambda: find_pipeline_split(_ListModel(), find_blocks(_ListModel())),
+        PipelineError,
+        "nn.ModuleDict keyed '0', '1'",
+    ),  # fmt: skip
+    "an unknown tensor-parallel style": (
+        lambda: match_plan(_Wrapper(), {"model.layers.*.attention.wq": "diagonal"}),
+        PlanError,
+        "Unknown tensor-parallel style 'diagonal'",
+    ),  # fmt: skip
+    "a mixture-of-experts style": (
+        lambda: match_plan(_Wrapper(), {"model.layers.*.feed_forward": "moe_tp_experts"}),
+        PlanError,
+        "Cuboid does not support",
+    ),  # fmt: skip
+    "a plan pattern that matches no module": (
+        lambda: match_plan(_Wrapper(), {"model.blocks.*.q": "colwise"}),
+        PlanError,
+        "matches no module",
+    ),
+    "tensor_parallel that does not divide the heads": (
+        lambda: check_tp_divisibility(
+            _Wrapper(LlamaConfig(n_heads=4, n_kv_heads=2)),
+            match_plan(_Wrapper(), {"model.layers.*.attention.wk": "colwise"}),
+            4,
+        ),
+        PlanError,
+        "tensor_parallel=4",
+    ),  # fmt: skip
+    "tensor_parallel > 1 on a model with no plan": (
+        lambda: resolve_plan(_Wrapper(plain=True), None, 2),
+        PlanError,
+        "carries no tensor-parallel plan",
+    ),
+    "resuming from a save that never finished": (
+        lambda: check_loadable(Path("/tmp/.step=5.ckpt.tmp")),
+        CheckpointError,
+        "never finished",
+    ),
+    "a checkpoint path that does not exist": (
+        lambda: check_loadable(Path("/nonexistent/step=5.ckpt")),
+        CheckpointError,
+        "does not exist",
+    ),
+    "a SLURM task count that disagrees with nodes x devices": (
+        _slurm_mismatch,
+        LayoutError,
+        r"SLURM runs 6 tasks .* num_nodes \(2\) x devices \(4\) = 8",
+    ),
+    "a Hydra sequence longer than the model's": (
+        lambda: _train_config(**{"data.seq_len": 4096}),
+        ValueError,
+        "is longer than model.max_seq_len",
+    ),
+    "an unknown mode of the main job": (lambda: _train_config(mode="train"), ValueError, "mode='train': choose 'fit'"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_fails_with_a_message_that_says_what_to_do(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    run, error, match = CASES[name]
+    with pytest.raises(error, match=match):
+        run(monkeypatch) if run is _slurm_mismatch else run()
+
+
+def test_the_catalogue_is_large_and_in_the_readme() -> None:
+    assert len(CASES) >= 25
+    text = README.read_text()
+    section = text[text.index("## Common errors") :]
+    section = section[: section.index("\n## ", 5)]
+    missing = [name for name in CASES if re.sub(r"\s+", " ", name) not in re.sub(r"\s+", " ", section)]
+    assert not missing, missing
