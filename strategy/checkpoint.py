@@ -125,7 +125,10 @@ def save_sharded(
         torch.save(lightning_state, tmp / META_FILE)
     writer = storage_writer(tmp) if storage_writer else None
     if async_group is None:
-        dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
+        try:
+            dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
+        except (Exception, dcp.CheckpointException) as err:  # (a BaseException) raised on every rank by DCP
+            raise save_failed(path, tmp, err) from err
         _barrier()
         publish(tmp, path)
         _barrier()
@@ -135,14 +138,34 @@ def save_sharded(
     )
 
     def finish() -> None:
-        future.result()
+        try:
+            future.result()
+        except (Exception, dcp.CheckpointException) as err:  # kept for the training thread: Checkpointer.failure
+            thread.error = save_failed(path, tmp, err)  # type: ignore[attr-defined]
+            return
         dist.barrier(group=async_group)
         publish(tmp, path)
         dist.barrier(group=async_group)
 
     thread = threading.Thread(target=finish, name=f"cuboid-save-{path.name}", daemon=True)
+    thread.error = None  # type: ignore[attr-defined]
     thread.start()
     return thread
+
+
+def save_failed(path: Path, tmp: Path, err: BaseException) -> CheckpointError:
+    """The error a failed save raises: what failed, that nothing was replaced, and where the partial write is."""
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+    if failures:
+        what = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(failures.items()))
+    else:
+        what = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return CheckpointError(
+        f"saving {path.name} failed ({what}). Nothing was replaced: the previous "
+        f"checkpoints in {path.parent} are intact and resumable; the partial write {tmp.name} may be deleted. "
+        "Free disk space or fix the directory's permissions, then resume (ckpt_path='auto' picks the newest "
+        "complete checkpoint)."
+    )
 
 
 def publish(tmp: Path, path: Path) -> None:

@@ -138,11 +138,24 @@ class Checkpointer:
             stager=self.stager if self.async_save else None,
         )
 
-    def wait(self) -> None:
-        """Block until a background (async) save has been written and renamed into place."""
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until a background (async) save has been written and renamed into place; raise its
+        :class:`~cuboid.checkpoint.CheckpointError` if it failed (only log it with ``raise_error=False``)."""
         if self._pending is not None:
             self._pending.join()
-            self._pending = None
+            error, self._pending = getattr(self._pending, "error", None), None
+            if error is not None:
+                if raise_error:
+                    raise error
+                rank_zero_info(f"Cuboid: {error}")
+
+    def failure(self) -> BaseException | None:
+        """The error of a background save that has finished and failed (None while it runs or if it succeeded);
+        checked by every rank after each optimizer step, without waiting."""
+        pending = self._pending
+        if pending is None or pending.is_alive():
+            return None
+        return getattr(pending, "error", None)
 
     def load(
         self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None

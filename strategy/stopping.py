@@ -17,6 +17,8 @@ a MAX all-reduce of one host integer over a gloo group tells every rank what any
   $SLURM_JOB_ID`` when both exist; every rank raises ``SIGTERMException`` (exit code 0). The next start with
   ``ckpt_path="auto"`` resumes from it.
 * SIGTERM not in ``preempt_on``: every rank stops the same way without saving (Lightning's behaviour, agreed).
+* a background (async) checkpoint save that failed on some rank (a full disk): every rank raises its
+  ``CheckpointError`` at the same step, instead of the error waiting in a thread until the next save.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid import compat
+from cuboid.checkpoint import CheckpointError
 
-STOP, PREEMPT = 1, 2
+STOP, PREEMPT, SAVE_FAILED = 1, 2, 3
 
 
 def host_group() -> Any:
@@ -63,8 +66,15 @@ def signal_numbers(names: Sequence[str | int]) -> tuple[signal.Signals, ...]:
 class StopAgreement(L.Callback):
     """Added to the Trainer's callbacks by the strategy at setup (fit only); see the module docstring."""
 
-    def __init__(self, trainer: Any, group: Any, preempt_on: Sequence[signal.Signals]) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        group: Any,
+        preempt_on: Sequence[signal.Signals],
+        save_failure: Callable[[], BaseException | None] = lambda: None,
+    ) -> None:
         self.trainer, self.group, self.preempt_on = trainer, group, tuple(preempt_on)
+        self.save_failure = save_failure  # a background save that failed, surfaced at the next step on every rank
         self.received = 0  # the strongest request this rank's handlers recorded (STOP or PREEMPT)
         self.preempted_to: Path | None = None
         self._mark_received: Callable[[], None] = lambda: None
@@ -90,8 +100,9 @@ class StopAgreement(L.Callback):
         self.received = max(self.received, PREEMPT if sig in self.preempt_on else STOP)
 
     def agreed(self) -> int:
-        """The strongest request any rank received (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([self.received], dtype=torch.int64)
+        """The strongest request any rank received, or SAVE_FAILED when a rank's background save failed (a
+        collective: every rank calls it at the same point)."""
+        flag = torch.tensor([SAVE_FAILED if self.save_failure() else self.received], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.tolist()[0])  # host memory
 
@@ -99,6 +110,11 @@ class StopAgreement(L.Callback):
         if compat.should_accumulate(trainer):  # only after an optimizer step: a checkpoint here resumes exactly
             return
         request = self.agreed()
+        if request == SAVE_FAILED:
+            raise self.save_failure() or CheckpointError(
+                "a background checkpoint save failed on another rank (its log says why). Nothing was replaced: "
+                "the previous checkpoints are intact; resume from the newest complete one."
+            )
         if request == PREEMPT:
             self.preempted_to = self.save(trainer)
             requeue(trainer.is_global_zero)

@@ -354,7 +354,7 @@ class CuboidStrategy(ParallelStrategy):
         if self._host_group is None:
             self._host_group = stopping.host_group()
         if trainer.state.fn == TrainerFn.FITTING:  # the per-step stop check, through host memory
-            self._stop = stopping.StopAgreement(trainer, self._host_group, self.preempt_on)
+            self._stop = stopping.StopAgreement(trainer, self._host_group, self.preempt_on, self.checkpointer.failure)
             self._stop.install()
         self.model_to_device()
         self.barrier()
@@ -551,7 +551,7 @@ class CuboidStrategy(ParallelStrategy):
         if self._watchdog is not None:  # first: a peer that finishes earlier must not look dead
             self._watchdog.stop()
             self._watchdog = None
-        self.checkpointer.wait()
+        self.checkpointer.wait(raise_error=False)  # a failed background save was raised at the step after it
         if self._stop is not None:
             self._stop.uninstall()
             self.preempted_to = self._stop.preempted_to or self.preempted_to

@@ -148,6 +148,26 @@ def run_expecting_error(spec: dict, out_dir: Path) -> None:
     dist.barrier()
 
 
+def failing_writer(rank: int, nth: int):
+    """DCP writers whose ``nth`` save on ``rank`` fails with ENOSPC ("No space left on device"), injected here: this
+    machine gives the test no small filesystem to fill."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    saves = {"n": 0}
+
+    class Full(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device (injected by the test's storage writer)")
+
+    def make(path):
+        saves["n"] += 1
+        return Full(path) if saves["n"] == nth and dist.get_rank() == rank else None
+
+    return make
+
+
 def stalling_writer(victim: int, sentinel: str):
     """A DCP writer whose rank ``victim`` stops for good after writing its first file (a crash mid-save)."""
     import time
@@ -180,6 +200,8 @@ def run(spec: dict, out_dir: Path) -> None:
             return writer(path) if saves["n"] >= 2 else None
 
         strategy.checkpointer.storage_writer = second_save_stalls
+    if spec.get("fail_save"):  # a full disk on one rank, injected at the storage writer (said as such)
+        strategy.checkpointer.storage_writer = failing_writer(**spec["fail_save"])
     family = spec.get("model", "llama")
     if family in third_party.FAMILIES:
         module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
