@@ -242,3 +242,15 @@ def test_the_catalogue_is_large_and_in_the_readme() -> None:
     section = section[: section.index("\n## ", 5)]
     missing = [name for name in CASES if re.sub(r"\s+", " ", name) not in re.sub(r"\s+", " ", section)]
     assert not missing, missing
+
+
+def test_every_strategy_argument_has_a_hydra_twin() -> None:
+    """conf/strategy/fsdp.yaml (which the other presets extend) names every CuboidStrategy argument."""
+    import inspect
+
+    import yaml
+
+    conf = yaml.safe_load((README.parent / "conf" / "strategy" / "fsdp.yaml").read_text())
+    internal = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    names = set(inspect.signature(CuboidStrategy.__init__).parameters) - internal
+    assert not names - set(conf), sorted(names - set(conf))
