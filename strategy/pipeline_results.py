@@ -88,16 +88,16 @@ class ResultExchange:
         self.is_src = dist.get_rank() == src
         self.structure: list[tuple[str, str, Any, dict]] = []
         self.known: list[list[tuple[str, str, Any, dict]]] = [[]]  # every structure seen, by index
-        self.metrics: list[tuple[str, Any]] | None = None
+        self.metrics: list[Any] | None = None
 
-    def _metrics(self, lm: nn.Module) -> list[tuple[str, Any]]:
+    def _metrics(self, lm: nn.Module) -> list[Any]:
         if self.metrics is None:
-            self.metrics = [(n, m) for n, m in lm.named_modules() if Metric is not None and isinstance(m, Metric)]
+            self.metrics = [m for m in lm.modules() if Metric is not None and isinstance(m, Metric)]
         return self.metrics
 
     def update_counts(self, lm: nn.Module) -> list[int]:
         """Each metric's update count (the last stage compares them before and after its step)."""
-        return [m.update_count for _, m in self._metrics(lm)]
+        return [m.update_count for m in self._metrics(lm)]
 
     def exchange(self, lm: Any, results: StepResults | None, counts_before: list[int] | None) -> Tensor | None:
         """On every rank of the pp group: replay the step's logs, copy updated metric states, return the loss."""
@@ -114,7 +114,8 @@ class ResultExchange:
                     grouped.setdefault(name, []).append(value)
             structure = _structure(calls)
             index = next((i for i, known in enumerate(self.known) if known == structure), len(self.known))
-            has_loss = any(loss is not None for loss in results.losses.values())
+            losses = [loss for loss in results.losses.values() if loss is not None]
+            has_loss = bool(losses)
             counts = self.update_counts(lm)
             dirty = [int(a != b) for a, b in zip(counts, counts_before, strict=True)]
             header = torch.tensor([index, int(has_loss), *dirty, *counts], dtype=torch.int64)
@@ -136,7 +137,6 @@ class ResultExchange:
                 host = torch.tensor([sum(grouped[k]) / len(grouped[k]) for k in host_names], dtype=torch.float64)
             parts = []
             if has_loss:
-                losses = [loss for loss in results.losses.values() if loss is not None]  # type: ignore[union-attr]
                 parts.append(torch.stack([loss.float() for loss in losses]).mean())
             parts += [torch.stack([v.float() for v in grouped[k]]).mean() for k in device_names]
             if parts:
@@ -157,9 +157,9 @@ class ResultExchange:
             else:
                 lm.log(name, next(devices) if kind == DEVICE else next(hosts), **kwargs)
 
-    def _sync_metrics(self, metrics: list[tuple[str, Any]], dirty: list[int], counts: list[int]) -> None:
+    def _sync_metrics(self, metrics: list[Any], dirty: list[int], counts: list[int]) -> None:
         """Copy the states of the metrics the last stage's step updated to every pp rank."""
-        for (_, metric), changed, count in zip(metrics, dirty, counts, strict=True):
+        for metric, changed, count in zip(metrics, dirty, counts, strict=True):
             if not changed:
                 continue
             for name in metric.metric_state:

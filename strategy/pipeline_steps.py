@@ -142,25 +142,23 @@ class Pipelining:
         pp_group = mesh["pp"].get_group()
         if dist.get_backend(pp_group) == "gloo":
             return pp_group
-        ranks = mesh.mesh.reshape(self.pp, -1)
-        mine = None
-        for column in range(ranks.shape[1]):
-            members = [int(r) for r in ranks[:, column]]
-            group = dist.new_group(members, backend="gloo")
-            if dist.get_rank() in members:
-                mine = group
-        return mine
+        return self._group_per_column(mesh, lambda column: column, backend="gloo")
 
     def _first_last_group(self, mesh: Any, pp_group: Any) -> Any:
         """The process group of this rank's first and last pp ranks (same dp/tp coordinates); made on every rank."""
         if self.pp == 2:
             return pp_group
+        return self._group_per_column(mesh, lambda column: [column[0], column[-1]])
+
+    def _group_per_column(self, mesh: Any, members: Any, backend: str | None = None) -> Any:
+        """One new group per pp column of the mesh (the ranks sharing dp/tp coordinates), of ``members(column)``;
+        every rank makes every group (``new_group`` is collective) and gets back the one it belongs to."""
         ranks = mesh.mesh.reshape(self.pp, -1)
         mine = None
         for column in range(ranks.shape[1]):
-            pair = [int(ranks[0, column]), int(ranks[-1, column])]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
+            chosen = [int(r) for r in members(list(ranks[:, column]))]
+            group = dist.new_group(chosen, backend=backend)
+            if dist.get_rank() in chosen:
                 mine = group
         return mine
 
