@@ -70,6 +70,11 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
 
     @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The gloo group :meth:`make_group` made, if any."""
+        return self._group
+
+    @property
     def stager(self) -> Any:
         """The host staging of async saves, kept across saves: its buffers (pinned on GPUs, for fast copies) are
         allocated at the first save and reused by the next ones, instead of fresh pageable memory each time."""

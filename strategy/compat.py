@@ -106,6 +106,25 @@ def should_accumulate(trainer: Any) -> bool:
     return trainer.fit_loop._should_accumulate()
 
 
+def train_batch_is_last(trainer: Any) -> bool:
+    """Whether the training batch about to run is its loader's last (Lightning's fetcher looks one batch ahead)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def end_train_epoch_after_this_batch(trainer: Any) -> None:
+    """Make the batch about to run the epoch's last, as if the loader ended after it: the fit loop then steps the
+    optimizer, validates and ends the epoch as it does at a loader's real end (``_num_ready_batches_reached`` reads
+    this flag). No public setter exists; the attribute is the one Lightning's own loop sets before each batch."""
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+
+
+def evaluation_batch_is_last(trainer: Any) -> bool:
+    """Whether the validation/test/predict batch about to run is its loader's last (``Trainer._evaluation_loop``,
+    or the predict loop)."""
+    loop = trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
+    return bool(loop.batch_progress.is_last_batch)
+
+
 def drop_sigterm_broadcast(trainer: Any) -> None:
     """Stop Lightning's training loop (2.6) from broadcasting rank 0's SIGTERM flag at the start of every step of a
     distributed run (``_TrainingEpochLoop._broadcast_sigterm_tensor``: a device tensor read back with ``.item()``,
@@ -163,6 +182,35 @@ def default_store() -> Any:
     """The default process group's rendezvous store (a ``TCPStore`` hosted by rank 0's process), which the peer
     watchdog writes its heartbeats to. ``torch.distributed`` keeps it but has no public getter."""
     return dist.distributed_c10d._get_default_store()
+
+
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Give ``group`` the collective timeout the user asked for. ``DeviceMesh`` makes its per-dimension groups with
+    torch's default timeout (30 min gloo, 10 min NCCL), whatever ``init_process_group(timeout=...)`` said, and takes
+    none itself; ``_set_pg_timeout`` is torch's own setter, with no public twin in 2.13."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """This process's flight-recorder ring (the last collectives it issued, oldest first; gloo and NCCL alike, when
+    ``TORCH_FR_BUFFER_SIZE`` was set before the first collective). Each entry has ``process_group`` (name, desc),
+    ``profiling_name`` (e.g. ``"gloo:all_gather"``), ``collective_seq_id``, ``input_sizes`` and ``retired``.
+    torch exposes the dump to Python only as ``torch._C._distributed_c10d._dump_fr_trace`` (a pickle)."""
+    import pickle
+
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return []
+    return list(pickle.loads(dump(True, False, False)).get("entries", []))
+
+
+def flight_recorder_dump() -> bytes:
+    """The same ring with stack traces, pickled as torch's ``fr_trace`` analyzer reads it (see above)."""
+    from torch._C import _distributed_c10d
+
+    return _distributed_c10d._dump_fr_trace(True, True, False)
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

@@ -17,6 +17,8 @@ from cuboid.compat import flatten_mesh
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
 DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
+# Every name the mesh answers to: its dims, then the flattened views build_device_mesh adds (the aliases last).
+MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "data_parallel", "tensor_parallel")
 
 
 class LayoutError(ValueError):

@@ -23,11 +23,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, loss_parallel, plans, stopping
+from cuboid import compat, loss_parallel, plans
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
+from cuboid.faults import JobGuard
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
-from cuboid.layout import DP_DIMS, Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.layout import DP_DIMS, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.nonfinite import NonFiniteGuard
 from cuboid.parallelize import (
     ACMode,
@@ -38,7 +39,6 @@ from cuboid.parallelize import (
 )
 from cuboid.pipeline_steps import Pipelining, batch_and_index
 from cuboid.precision import CuboidPrecision
-from cuboid.watchdog import PeerWatchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -120,7 +120,13 @@ class CuboidStrategy(ParallelStrategy):
             in a collective until ``timeout``. ``None`` or ``0``: no watchdog (env ``CUBOID_PEER_TIMEOUT``
             overrides).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
-        timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning).
+        timeout: Timeout for collectives, a ``timedelta`` or seconds (default 30 min, as Lightning), on every
+            group: each mesh dimension's too (torch would give those its own default). A collective that times
+            out stops every rank (the stuck one too), with an error that names the collective, its mesh dimension
+            and the ranks that never joined it (see :mod:`cuboid.hangs`).
+        flight_recorder: Entries in torch's flight recorder (the last collectives of each rank; 0 turns it off),
+            dumped to ``<default_root_dir>/flight_recorder/rank_<r>`` on a timeout (on NCCL by torch's watchdog,
+            where ``torchfrtrace <that dir> -p rank_`` compares the ranks). Default 20000, as torchtitan.
     """
 
     strategy_name = "cuboid"
@@ -149,6 +155,7 @@ class CuboidStrategy(ParallelStrategy):
         peer_timeout: float | None = 6.0,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        flight_recorder: int = 20000,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -184,19 +191,13 @@ class CuboidStrategy(ParallelStrategy):
         self.compile = compile
         self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
         self._pretrained_loaded = False
-        self._host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
-        self._stop: stopping.StopAgreement | None = None
-        self.preempted_to: Path | None = None
-        self._watchdog: PeerWatchdog | None = (
-            None  # heartbeats through the rendezvous store (setup_environment)  # the checkpoint a preemption signal made this run save, if any
-        )
-        self.preempt_on = stopping.signal_numbers(preempt_on)
         self.nonfinite = NonFiniteGuard(nonfinite)
-        self.peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
+        self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -298,33 +299,32 @@ class CuboidStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        self.faults.before_process_group(
+            getattr(trainer, "default_root_dir", None) or os.getcwd(), self._process_group_backend
+        )
         compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         destroy_process_group_at_exit()
-        self._start_watchdog()
+        self.faults.after_process_group(self.global_rank, self.world_size)
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
+        self.faults.after_mesh(self._device_mesh, MESH_NAMES, self.global_rank)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, _FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
 
-    def _start_watchdog(self) -> None:
-        if self.peer_timeout > 0 and self._watchdog is None:
-            store = compat.default_store()
-            self._watchdog = PeerWatchdog(store, self.global_rank, self.world_size, self.peer_timeout)
-            self._watchdog.start()
-
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failed collective (a closed connection, an NCCL error): give the watchdog its few seconds to name a
-        dead rank, and stop with that message (the process exits) rather than a transport error."""
-        text = str(exception)
-        communication = isinstance(exception, dist.DistError) or any(
-            word in text for word in ("Connection closed", "Connection reset", "gloo", "NCCL")
-        )
-        if communication and self._watchdog is not None:
-            self._watchdog.verdict()  # exits the process (code 3, the rank named) if a peer is found dead
+        """A timed-out collective is named and every rank stopped; after another failed collective the watchdog
+        gets its few seconds to name a dead rank (see :class:`cuboid.faults.JobGuard`)."""
+        self.faults.on_exception(exception)
+
+    @property
+    def preempted_to(self) -> Path | None:
+        """The checkpoint a preemption signal made the last ``fit`` save, if any."""
+        return self.faults.preempted_to
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -351,11 +351,8 @@ class CuboidStrategy(ParallelStrategy):
             self._parallelize(lm)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
-        if self._host_group is None:
-            self._host_group = stopping.host_group()
-        if trainer.state.fn == TrainerFn.FITTING:  # the per-step stop check, through host memory
-            self._stop = stopping.StopAgreement(trainer, self._host_group, self.preempt_on, self.checkpointer.failure)
-            self._stop.install()
+        self.faults.extra_group(self.checkpointer.group)
+        self.faults.setup(trainer, trainer.state.fn == TrainerFn.FITTING, self.checkpointer.failure)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -548,14 +545,9 @@ class CuboidStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._watchdog is not None:  # first: a peer that finishes earlier must not look dead
-            self._watchdog.stop()
-            self._watchdog = None
+        self.faults.teardown()  # first: a peer that finishes earlier must not look dead
         self.checkpointer.wait(raise_error=False)  # a failed background save was raised at the step after it
-        if self._stop is not None:
-            self._stop.uninstall()
-            self.preempted_to = self._stop.preempted_to or self.preempted_to
-            self._stop = None
+        self.faults.after_teardown()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 EXIT_CODE = 3
@@ -30,6 +31,9 @@ class PeerWatchdog:
         self.timeout, self.interval = timeout, interval
         self.watched = (rank + 1) % world_size
         self.dead: str | None = None  # what was found: "rank N ..." (None while everyone answers)
+        # Called (on the watchdog's thread) with another rank's mark before this rank exits on it: the hang report
+        # has every live rank post what it was doing (cuboid.hangs).
+        self.on_mark: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
@@ -58,7 +62,10 @@ class PeerWatchdog:
                 self._beats += 1
                 self.store.set(f"{_BEAT}{self.rank}", str(self._beats))
                 if self.store.check([_DEAD]):
-                    self._found(self.store.get(_DEAD).decode())
+                    what = self.store.get(_DEAD).decode()
+                    if self.on_mark is not None:
+                        self.on_mark(what)
+                    self._found(what)
                     return
                 seen = self.store.get(f"{_BEAT}{self.watched}") if self.store.check([f"{_BEAT}{self.watched}"]) else b""
             except Exception:  # noqa: BLE001  (any store failure means the same thing)

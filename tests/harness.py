@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,41 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def launch_and_watch(cmd: list[str], timeout: float) -> tuple[int, str, float, set[int]]:
+    """Run ``cmd`` in a session of its own; return its exit code, output, the time its output closed (every
+    process that held it gone) and every pid seen below it."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def census() -> None:
+        while not done.is_set():
+            seen.update(descendants(proc.pid))
+            time.sleep(0.2)
+
+    threading.Thread(target=census, daemon=True).start()
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    closed = time.time()
+    done.set()
+    if reader.is_alive():
+        for pid in [proc.pid, *seen]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"{cmd[1:]} still running after {timeout} s")
+    return proc.wait(), "".join(chunks), closed, seen
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited process whose dead parent has not been reaped for it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -125,6 +125,11 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         ValueError,
         "'SIGFOO' is not a signal",
     ),
+    "a negative flight recorder size": (
+        lambda: CuboidStrategy(flight_recorder=-1),
+        ValueError,
+        "flight_recorder=-1: a number of entries >= 0",
+    ),
     "an unknown nonfinite mode": (
         lambda: CuboidStrategy(nonfinite="sometimes"),
         ValueError,

@@ -227,7 +227,8 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Pa
     proc.wait(timeout=30)
     assert not alive, alive
     ck = tmp_path / "ck"
-    assert sorted(p.name for p in ck.iterdir()) == [".step=6.ckpt.tmp", "step=3.ckpt"]
+    # and the killed run's lock, which the next run in this directory takes over (its process is gone)
+    assert sorted(p.name for p in ck.iterdir()) == [".cuboid-run.lock", ".step=6.ckpt.tmp", "step=3.ckpt"]
     check_loadable(ck / "step=3.ckpt")
     with pytest.raises(CheckpointError, match="temporary copy of a save that never finished"):
         check_loadable(ck / ".step=6.ckpt.tmp")

@@ -313,3 +313,81 @@ def test_slurm_requeue_handler_is_looked_up_on_the_connector_when_registered() -
     compat.take_over_slurm_requeue_signal(trainer, lambda: heard.append(True))
     trainer._signal_connector._slurm_sigusr_handler_fn(10, None)
     assert heard == [True]
+
+
+_FLIGHT_RECORDER_SNIPPET = """
+import os, json, sys
+from datetime import timedelta
+os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from cuboid import compat
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(sys.argv[2], 2),
+                        timeout=timedelta(seconds=7))
+mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))  # "b": a one-rank group per rank
+group = mesh["b"].get_group()
+dist.all_reduce(torch.ones(2), group=group)
+compat.set_group_timeout(group, timedelta(seconds=3))
+dist.all_gather_into_tensor(torch.empty(2), torch.ones(2), group=group)
+entries = compat.flight_recorder_entries()
+keep = ("process_group", "profiling_name", "collective_seq_id", "retired", "timeout_ms", "input_sizes")
+print(json.dumps({"entries": [{k: e[k] for k in keep} for e in entries], "dump": len(compat.flight_recorder_dump()),
+                  "group": group.group_name}))
+dist.destroy_process_group()
+"""
+
+
+def test_flight_recorder_entries_and_group_timeouts(tmp_path) -> None:
+    """The hang report relies on: with ``TORCH_FR_BUFFER_SIZE`` set before the first collective, the flight recorder
+    keeps gloo collectives with their group's name and description (``mesh_<dim>``), kind, per-group sequence
+    number and timeout; a mesh dimension's group starts with torch's default timeout (30 min on gloo, not the
+    ``init_process_group`` one) and ``set_group_timeout`` changes it. Two fresh processes (the recorder reads its
+    size once per process)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-c", _FLIGHT_RECORDER_SNIPPET]
+    procs = [subprocess.Popen([*cmd, str(r), str(tmp_path / "store")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    facts = json.loads(outs[0][0].strip().splitlines()[-1])
+    mine = [e for e in facts["entries"] if e["process_group"][0] == facts["group"]]
+    assert [e["process_group"][1] for e in mine] == ["mesh_b", "mesh_b"]
+    assert [e["profiling_name"] for e in mine] == ["gloo:all_reduce", "gloo:all_gather"]
+    assert [e["collective_seq_id"] for e in mine] == [1, 2]
+    assert [e["timeout_ms"] for e in mine] == [30 * 60 * 1000, 3000]
+    assert mine[0]["input_sizes"] == [[2]] and facts["dump"] > 0
+
+
+def test_batch_progress_flags_end_an_epoch_and_tell_the_last_batch(tmp_path) -> None:
+    """EvenBatches relies on, for a loader without a length: ``train_batch_is_last`` is True on its last batch at
+    on_train_batch_start; ``end_train_epoch_after_this_batch`` there ends the epoch after that batch, with the
+    optimizer step and the epoch-end validation as at a real end; ``evaluation_batch_is_last`` is True on the last
+    validation batch."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(1, 2),) for _ in range(4)])
+
+    seen: dict[str, list] = {"train_last": [], "val_last": []}
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen["train_last"].append(compat.train_batch_is_last(trainer))
+            if trainer.current_epoch == 1 and batch_idx == 1:
+                compat.end_train_epoch_after_this_batch(trainer)
+
+        def on_validation_batch_start(self, trainer, *args) -> None:
+            seen["val_last"].append(compat.evaluation_batch_is_last(trainer))
+
+    class WithVal(_Recorder):
+        def validation_step(self, batch, batch_idx):
+            return None
+
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[Watch()], enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer.fit(WithVal(), DataLoader(Stream(), batch_size=None), _data(2))
+    assert seen["train_last"] == [False, False, False, True, False, False]
+    assert trainer.global_step == 6
+    assert seen["val_last"] == [False, True, False, True]  # validation ran at the end of both epochs

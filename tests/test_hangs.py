@@ -1,0 +1,74 @@
+"""Runs that would hang: a rank stuck outside any collective, uneven batch counts. Each must end on every rank,
+with a message, and leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from harness import WORKERS, free_port, launch_and_watch, running
+
+
+def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tuple[int, str, float, dict[int, dict]]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(WORKERS / "fault_worker.py"), str(tmp_path), scenario]  # fmt: skip
+    code, out, closed, seen = launch_and_watch(cmd, timeout=timeout)
+    assert not [pid for pid in seen if running(pid)], seen
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)
+             if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
+    return code, out, closed, ranks
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_times_out_with_the_collective_its_dimension_and_the_rank_named(tmp_path) -> None:
+    """dp2 x tp2, timeout 4 s: rank 1 sleeps in training_step (alive, heartbeating). Its tp peer (rank 0) and dp
+    peer (rank 3) time out in a collective over 'tp' and 'dp_shard' naming rank 1 and the line it is stuck on;
+    every process, rank 1 included, is gone within timeout + 12 s. Without the timeouts on the mesh's groups
+    (torch gives them 30 min) this waits to the test's limit; without the report the error is gloo's "Timed out
+    waiting 4000ms for recv operation", which names neither."""
+    code, out, closed, ranks = _fault_run(tmp_path, "hang", 4)
+    stalled = json.loads((tmp_path / "stall.json").read_text())["time"]
+    assert code != 0
+    assert closed - stalled < 4 + 12, (closed - stalled, out[-4000:])
+    assert 1 not in ranks  # the stuck rank was stopped by its watchdog, from the store's mark
+    assert "Cuboid (rank 1): a collective timed out" in out and "exit code 3" in out, out[-4000:]
+    stuck_line = "fault_worker.py:45 in training_step (time.sleep(120)"
+    assert stuck_line in out, out[-4000:]
+    zero, three = ranks[0]["message"], ranks[3]["message"]
+    assert "Cuboid: rank 0: all_reduce over mesh dimension 'tp' (ranks [0, 1]" in zero, zero
+    assert "Cuboid: rank 3: all_gather over mesh dimension 'dp_shard' (ranks [1, 3]" in three, three
+    for message in (zero, three):
+        assert "did not complete within 4 s" in message and "Rank 1 never joined it" in message, message
+        assert stuck_line in message, message
+    assert sorted(p.name for p in (tmp_path / "flight_recorder").iterdir()) == [f"rank_{r}" for r in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage,counts", [("uneven_train", "training", "rank 0: 6, rank 1: 5"),
+                                                    ("uneven_val", "validation", "rank 0: 3, rank 1: 4")])  # fmt: skip
+def test_uneven_batch_counts_stop_every_rank_before_any_step(tmp_path, scenario: str, stage: str, counts: str) -> None:
+    """Loaders with a length but different counts per rank (no DistributedSampler): every rank stops before the
+    first step with the counts and the fixes. Without the check, training ran 6 steps on rank 0 and 5 on rank 1:
+    rank 1 returned "successfully" and rank 0 failed in its extra step (checked by hand)."""
+    code, out, _, ranks = _fault_run(tmp_path, scenario, 2)
+    assert code != 0
+    for rank in (0, 1):
+        facts = ranks[rank]
+        assert facts["exception"] == "UnevenBatchesError", facts
+        assert f"{stage}: the ranks have different numbers of batches ({counts})" in facts["message"], facts
+        assert facts["global_step"] == 0 and facts["seen"] == {"train": 0, "val": 0}, facts
+
+
+@pytest.mark.slow
+def test_loaders_without_a_length_end_together_when_one_rank_runs_out(tmp_path) -> None:
+    """IterableDatasets: training 5 batches on rank 0 and 7 on rank 1, 2 epochs; validation 3 and 2. Every epoch
+    ends after 5 steps and every validation after 2 batches, on both ranks, with a warning. Without the per-batch
+    agreement rank 1 waits in its 6th step until the timeout (checked by hand)."""
+    code, out, _, ranks = _fault_run(tmp_path, "iterable", 2)
+    assert code == 0, out[-4000:]
+    for rank in (0, 1):
+        assert ranks[rank]["exception"] is None, ranks[rank]
+        assert ranks[rank]["global_step"] == 10 and ranks[rank]["seen"] == {"train": 10, "val": 4}, ranks[rank]
+    assert "training: a rank's data loader (it has no length) ran out before the others'" in out
+    assert "validation: a rank's data loader (it has no length) ran out before the others'" in out
