@@ -14,7 +14,8 @@ a MAX all-reduce of one host integer over a gloo group tells every rank what any
   and SIGTERM, which SLURM sends on preemption or ``scancel``): every rank saves
   ``<checkpoint dir>/preempted-step=<N>.ckpt`` (the ModelCheckpoint's ``dirpath``, else
   ``<default_root_dir>/checkpoints``), waits for it to be complete, then rank 0 runs ``scontrol requeue
-  $SLURM_JOB_ID`` when both exist; every rank raises ``SIGTERMException`` (exit code 0). The next start with
+  $SLURM_JOB_ID`` when both exist; every rank stops with ``SIGTERMException`` (exit code 0), raised by
+  Lightning's loop at the end of the step once its metrics are logged. The next start with
   ``ckpt_path="auto"`` resumes from it.
 * SIGTERM not in ``preempt_on``: every rank stops the same way without saving (Lightning's behaviour, agreed).
 * a background (async) checkpoint save that failed on some rank (a full disk): every rank raises its
@@ -34,7 +35,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid import compat
@@ -119,8 +119,9 @@ class StopAgreement(L.Callback):
             self.preempted_to = self.save(trainer)
             requeue(trainer.is_global_zero)
         if request:
-            self._mark_received()  # trainer.received_sigterm, now on every rank at once
-            raise SIGTERMException()
+            # trainer.received_sigterm, on every rank at once: Lightning's loop raises SIGTERMException at the end of
+            # this step, after logging it (raising here lost the step's logged metrics: a gap in the W&B curve).
+            self._mark_received()
 
     def save(self, trainer: L.Trainer) -> Path:
         callback = trainer.checkpoint_callback

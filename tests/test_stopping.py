@@ -3,16 +3,12 @@ preemption signal also saves one checkpoint, from which a second start resumes t
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from harness import WORKERS, torchrun, torchrun_session
+from harness import WORKERS, launch_and_watch, running, torchrun, torchrun_session
 from parity_lib import reference_run
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5  # the parity bounds (tests/test_parity.py)
@@ -61,42 +57,6 @@ def test_preemption_saves_once_stops_every_rank_and_resumes_the_single_process_c
         assert err <= PARAM_ATOL, (name, err)
 
 
-def _launch_and_watch(cmd: list[str], timeout: float) -> tuple[int, str, float, set[int]]:
-    """Run ``cmd`` in a session of its own; return its exit code, output, the time its output closed (every
-    process that held it gone) and every pid seen below it."""
-    import subprocess
-    import threading
-    import time
-
-    from harness import ROOT, descendants, worker_env
-
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    seen: set[int] = set()
-    done = threading.Event()
-
-    def census() -> None:
-        while not done.is_set():
-            seen.update(descendants(proc.pid))
-            time.sleep(0.2)
-
-    threading.Thread(target=census, daemon=True).start()
-    chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    closed = time.time()
-    done.set()
-    if reader.is_alive():
-        for pid in [proc.pid, *seen]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"{cmd[1:]} still running after {timeout} s")
-    return proc.wait(), "".join(chunks), closed, seen
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
 @pytest.mark.parametrize("victim", [1, 0])
@@ -111,19 +71,36 @@ def test_a_killed_rank_is_named_and_the_others_exit_within_10_s(tmp_path, victim
 
         script = ["-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                   f"--master-port={free_port()}", *script]  # fmt: skip
-    code, out, closed, seen = _launch_and_watch([sys.executable, *script], timeout=120)
+    code, out, closed, seen = launch_and_watch([sys.executable, *script], timeout=120)
     sent = json.loads((tmp_path / "signal.json").read_text())["time"]
     assert closed - sent < 10, (closed - sent, out[-3000:])
     names = (f"rank {victim} stopped responding", f"rank {victim} (it hosts the rendezvous store) stopped",
              f"[rank: {victim}] Child process with PID")  # fmt: skip
     assert any(name in out for name in names), out[-3000:]
     assert code != 0
-    assert not [pid for pid in seen if _running(pid)], seen
+    assert not [pid for pid in seen if running(pid)], seen
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited process whose dead parent has not been reaped for it yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+@pytest.mark.slow
+def test_after_a_killed_rank_the_last_checkpoint_resumes_the_single_process_curve(tmp_path) -> None:
+    """dp2, a checkpoint every 2 steps; rank 1 is SIGKILLed at the end of step 5: rank 0 stops (named, exit 3);
+    lost: step 5, after the last checkpoint. A second start with ``auto`` takes over the dead run's lock, resumes
+    from step=4.ckpt and continues the single-process curve (losses 5-12 and final weights) within the bound."""
+    root = tmp_path / "ck"
+    killed = [{"name": "killed", "strategy": {}, "save_every": 2, "save_dir": str(root),
+               "signal_at": {"rank": 1, "step": 5, "signal": "SIGKILL"}}]  # fmt: skip
+    code, out = torchrun_session(2, WORKERS / "parity_worker.py", str(tmp_path), json.dumps(killed), timeout=180)
+    assert code != 0 and "rank 1 stopped responding" in out, out[-4000:]
+    assert sorted(p.name for p in root.iterdir()) == [".cuboid-run.lock", "step=2.ckpt", "step=4.ckpt"]
+    resumed = [{"name": "resumed", "strategy": {}, "save_every": 2, "save_dir": str(root),
+                "resume_from": f"auto:{root}"}]  # fmt: skip
+    torchrun(2, WORKERS / "parity_worker.py", str(tmp_path), json.dumps(resumed))
+    got = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    ref = reference_run(1)
+    assert len(got["losses"]) == 8
+    for have, want in zip(got["losses"], ref.losses[4:], strict=True):
+        assert abs(have - want) <= LOSS_RTOL * abs(want), (got["losses"], ref.losses[4:])
+    for name, want in ref.params.items():
+        err = (got["params"][f"model.{name}"] - want).abs().max().item()
+        assert err <= PARAM_ATOL, (name, err)
+    assert not (root / ".cuboid-run.lock").exists()
