@@ -7,7 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from cuboid.checkpoint_glue import latest_checkpoint
-from cuboid.layout import Layout, LayoutError
+from cuboid.mesh import Layout, LayoutError
 from cuboid.plans import PlanError
 from cuboid.precision import CuboidPrecision
 from cuboid.strategy import CuboidStrategy

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from cuboid import compat, plans
-from cuboid.layout import Layout, LayoutError, build_device_mesh, fsdp_mesh
+from cuboid.mesh import Layout, LayoutError, build_device_mesh, fsdp_mesh
 from cuboid.parallelize import lightning_parts, parallelize
 
 

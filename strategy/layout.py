@@ -1,118 +1,26 @@
-"""Where a layout is decided: the pp x dp_replicate x dp_shard x tp sizes and the device mesh.
+"""The layout planner's command line, and the layout names (:class:`Layout`, :class:`LayoutError`, defined in
+:mod:`cuboid.mesh`):
 
-One :class:`Layout` per run. :meth:`Layout.resolve` fills ``"auto"`` and checks the sizes
-against the world size before any process group exists; :func:`build_device_mesh` turns it
-into one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "dp_shard", "tp")``, outermost to
-innermost, so tensor-parallel peers are neighbouring ranks (the fastest links).
+    python -m cuboid.layout model=8b nodes=4 gpus_per_node=8 gpu=h100
+    python -m cuboid.layout model=70b nodes=1 gpus_per_node=8 gpu=h100 seq=4096
+
+lists every valid (pp, dp_replicate, dp_shard, tp) layout with its per-GPU memory and step time, marks what does
+not fit, and recommends one (:mod:`cuboid.planner`). The package itself does not import this module, so running
+it with ``-m`` loads it once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from cuboid.mesh import Layout, LayoutError
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from cuboid.compat import flatten_mesh
-
-MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
-DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
-# Every name the mesh answers to: its dims, then the flattened views build_device_mesh adds (the aliases last).
-MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "data_parallel", "tensor_parallel")
+__all__ = ["Layout", "LayoutError", "main"]
 
 
-class LayoutError(ValueError):
-    """A layout that cannot work: the message names the sizes and the fix."""
+def main(argv: list[str] | None = None) -> None:
+    from cuboid.planner import main as plan_main
+
+    plan_main(argv)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of the four mesh dimensions. ``dp_shard="auto"`` fills the rest of the world."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int | Literal["auto"] = "auto"
-    tp: int = 1
-
-    def resolve(self, world_size: int) -> Layout:
-        """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""
-        for name in ("pp", "dp_replicate", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"{_ARG_NAMES[name]} must be a positive integer, got {value!r}.")
-        fixed = self.pp * self.dp_replicate * self.tp
-        if self.dp_shard == "auto":
-            if world_size % fixed != 0:
-                raise LayoutError(
-                    f"Cannot fill data_parallel_shard='auto': pipeline_parallel ({self.pp}) x "
-                    f"data_parallel_replicate ({self.dp_replicate}) x tensor_parallel ({self.tp}) = {fixed} "
-                    f"does not divide the world size {world_size}. Choose sizes whose product divides "
-                    f"{world_size} (devices x num_nodes)."
-                )
-            return Layout(self.pp, self.dp_replicate, world_size // fixed, self.tp)
-        if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1:
-            raise LayoutError(f"data_parallel_shard must be a positive integer or 'auto', got {self.dp_shard!r}.")
-        if fixed * self.dp_shard != world_size:
-            raise LayoutError(
-                f"The layout pipeline_parallel ({self.pp}) x data_parallel_replicate ({self.dp_replicate}) x "
-                f"data_parallel_shard ({self.dp_shard}) x tensor_parallel ({self.tp}) = {fixed * self.dp_shard} "
-                f"processes, but the world size (devices x num_nodes) is {world_size}. Change one size so the "
-                f"product is {world_size}, or set data_parallel_shard='auto'."
-            )
-        return self
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree (replicas x shards): how many different batches a step sees."""
-        assert isinstance(self.dp_shard, int), "resolve() the layout first"
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        assert isinstance(self.dp_shard, int), "resolve() the layout first"
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
-    def describe(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True))
-
-
-_ARG_NAMES = {
-    "pp": "pipeline_parallel",
-    "dp_replicate": "data_parallel_replicate",
-    "dp_shard": "data_parallel_shard",
-    "tp": "tensor_parallel",
-}
-
-
-def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """Build the 4-D mesh for a resolved layout, and the flattened data-parallel mesh.
-
-    The flattened ``dp`` mesh (dp_replicate x dp_shard, named ``"dp"``) is what the data
-    sampler, loss and metric reduction use. The mesh also answers to Lightning's
-    ModelParallelStrategy names, so a ``configure_model`` written for it runs unchanged:
-    ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp).
-    """
-    mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
-    dp_mesh = flatten_mesh(mesh[DP_DIMS], "dp")
-    flatten_mesh(mesh[DP_DIMS], "data_parallel")
-    flatten_mesh(mesh["tp"], "tensor_parallel")
-    return mesh, dp_mesh
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh[DP_DIMS]
-    return mesh["dp_shard"]
-
-
-def check_reshard_after_forward(value: bool | int, dp_shard: int | str) -> None:
-    """``reshard_after_forward`` is a bool, or a divisor of ``dp_shard`` strictly between 1 and it."""
-    if isinstance(value, bool):
-        return
-    assert isinstance(dp_shard, int)
-    if not isinstance(value, int) or not (1 < value < dp_shard and dp_shard % value == 0):
-        raise LayoutError(
-            f"reshard_after_forward={value!r} must be True, False or a divisor of data_parallel_shard={dp_shard} "
-            f"strictly between 1 and {dp_shard} (e.g. the number of GPUs per node)."
-        )
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from cuboid import materialize, plans
 from cuboid import pretrained as pretrained_weights
 from cuboid.compat import SDPA_OPS, reads_kv_cache_only
-from cuboid.layout import fsdp_mesh
+from cuboid.mesh import fsdp_mesh
 
 ACMode = Literal["full", "selective"]
 

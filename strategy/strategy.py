@@ -23,12 +23,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, loss_parallel, plans
+from cuboid import compat, loss_parallel, planner, plans
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.faults import JobGuard
 from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
-from cuboid.layout import DP_DIMS, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.mesh import DP_DIMS, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.nonfinite import NonFiniteGuard
 from cuboid.parallelize import (
     ACMode,
@@ -358,6 +358,9 @@ class CuboidStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
+            if self.root_device.type == "cuda" and not self.cpu_offload:  # a layout that cannot fit, refused now
+                capacity = torch.cuda.get_device_properties(self.root_device).total_memory
+                planner.check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             compat.optimizers_to_device(self.optimizers, self.root_device)

@@ -14,3 +14,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     terminalreporter.write_line(f"{'layout':50s} {'max rel loss err':>18s} {'max abs param err':>18s}")
     for name, (loss_err, param_err) in table.items():
         terminalreporter.write_line(f"{name:50s} {loss_err:18.2e} {param_err:18.2e}")
+    planner = getattr(sys.modules.get("test_parity"), "PLANNER_TABLE", None)
+    if planner:
+        terminalreporter.section("planner persistent bytes vs measured (bound: 10%)")
+        terminalreporter.write_line(f"{'layout':50s} {'worst |est/meas - 1|':>20s} {'measured B/rank':>16s}")
+        for name, (worst, measured) in planner.items():
+            terminalreporter.write_line(f"{name:50s} {worst:20.2%} {measured:16.0f}")

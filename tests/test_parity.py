@@ -246,3 +246,33 @@ def test_pipeline_is_real(name: str, results) -> None:
 )
 def test_pipeline_refuses_what_it_cannot_split(name: str, message: str, results) -> None:
     assert results[name]["error"] is not None and message in results[name]["error"], results[name]
+
+
+# The layout planner's persistent bytes per rank (cuboid.estimate, by formula) beside the ones measured from each
+# rank's DTensor local shapes and optimizer state in the runs above; printed at the end.
+PLANNER_TABLE: dict[str, tuple[float, float]] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_planner_persistent_bytes_are_within_10_percent_of_measured(name: str, results) -> None:
+    """Parameters + gradients + AdamW state, fp32, every rank of every layout (pp, HSDP, TP and 3D included)."""
+    from parity_lib import CFG
+
+    from cuboid.estimate import Setup, Shape, rank_memory
+    from cuboid.pipeline import MULTI_STAGE
+
+    run, ranks = RUNS[name], results[name]["ranks"]
+    kw = run.strategy
+    pp, rep, tp = kw.get("pipeline_parallel", 1), kw.get("data_parallel_replicate", 1), kw.get("tensor_parallel", 1)
+    schedule = kw.get("pipeline_schedule", "1F1B")
+    setup = Setup(pp=pp, dp_replicate=rep, dp_shard=run.world // (pp * rep * tp), tp=tp, precision="32-true",
+                  schedule=schedule, virtual_stages=2 if pp > 1 and schedule in MULTI_STAGE else 1)  # fmt: skip
+    worst = 0.0
+    for facts in ranks:
+        pp_rank = facts["rank"] // (run.world // pp)
+        predicted = rank_memory(Shape.of(CFG), setup, pp_rank).persistent
+        measured = sum(facts["bytes"].values())
+        worst = max(worst, abs(predicted / measured - 1))
+        assert abs(predicted / measured - 1) <= 0.10, (facts["rank"], predicted, measured)
+    PLANNER_TABLE[name] = (worst, sum(sum(f["bytes"].values()) for f in ranks) / len(ranks))

@@ -109,7 +109,7 @@ def test_buffer_no_init_sets_is_an_error() -> None:
 
 def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
     code = (
-        "from cuboid.dryrun import dry_run; from cuboid.layout import Layout; from cuboid.models import CausalLM;"
+        "from cuboid.dryrun import dry_run; from cuboid.mesh import Layout; from cuboid.models import CausalLM;"
         "r = dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 8, 8));"
         "print(r.world, r.total_elements, r.elements, r.params)"
     )
@@ -124,7 +124,7 @@ def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
 
 def test_a_plan_that_does_not_divide_fails_in_the_dry_run() -> None:
     code = (
-        "from cuboid.dryrun import dry_run; from cuboid.layout import Layout; from cuboid.models import CausalLM;"
+        "from cuboid.dryrun import dry_run; from cuboid.mesh import Layout; from cuboid.models import CausalLM;"
         "dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 4, 16))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

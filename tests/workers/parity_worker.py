@@ -310,7 +310,10 @@ def run(spec: dict, out_dir: Path) -> None:
         "ckpt_group_at_start": facts.ckpt_group_at_start,
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
-        "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir()) if spec.get("save_dir") else None,
+        # (rank 0 removes the run lock in its teardown: another rank may list the directory before that)
+        "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir() if p.name != ".cuboid-run.lock")
+        if spec.get("save_dir")
+        else None,
         "best": str(Path(trainer.checkpoint_callback.best_model_path).name) if spec.get("monitor") else None,
     }
     if spec.get("validate"):  # the batch losses the metric saw, recomputed by hand on this rank's val batches
