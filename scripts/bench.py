@@ -11,6 +11,7 @@ parameters + gradients + optimizer state against the ideal total / (dp_shard x t
     python scripts/bench.py --suite pipeline     # pipeline bubble per schedule (scripts/bench_pipeline.py)
     python scripts/bench.py --suite checkpoint   # save/load MB/s, sync and async (scripts/bench_checkpoint.py)
     python scripts/bench.py --suite overhead     # host syncs and collectives per step (scripts/bench_overhead.py)
+    python scripts/bench.py --suite comm         # the ledger's bytes per mesh dimension vs analytic (bench_comm.py)
 
 Lightning's strategy needs the model parallelized by hand in ``configure_model``; the bench
 does that the torchtitan way (same TP plan, ``fully_shard`` per block then the root).
@@ -237,13 +238,15 @@ def main() -> None:
     if "--suite" in sys.argv:
         at = sys.argv.index("--suite")
         suite, rest = sys.argv[at + 1], sys.argv[:at] + sys.argv[at + 2 :]
-        if suite in ("pipeline", "checkpoint", "overhead"):
+        if suite in ("pipeline", "checkpoint", "overhead", "comm"):
             sys.path.insert(0, str(Path(__file__).parent))
             module = __import__(f"bench_{suite}")
             module.main(rest[1:])
             return
         if suite != "fsdp_tp":
-            sys.exit(f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline, checkpoint or overhead")
+            sys.exit(
+                f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline, checkpoint, overhead or comm"
+            )
         sys.argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)

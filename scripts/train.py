@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import cuboid  # noqa: F401  (registers strategy="cuboid")
 from cuboid import CuboidStrategy, latest_checkpoint
+from cuboid.ledger import CommLedger
 from cuboid.monitor import CuboidMonitor
 
 
@@ -126,6 +127,8 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
     callbacks: list[L.Callback] = [CuboidMonitor(), history]
     if logger:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.get("comm_ledger"):  # the debug preset: bytes per collective kind and mesh dimension, per logging step
+        callbacks.append(CommLedger())
     if cfg.checkpoint:
         # save_last="link": `last.ckpt` is a link to the newest checkpoint, not a second copy of it
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last="link"))

@@ -166,7 +166,7 @@ class Memory:
         return self.persistent + self.gathered + self.activations + self.logits
 
 
-def _dtype_bytes(precision: str) -> tuple[int, int, int]:
+def dtype_bytes(precision: str) -> tuple[int, int, int]:
     """(stored parameter, compute, gradient reduce) bytes per element."""
     if precision == "32-true":
         return 4, 4, 4
@@ -234,7 +234,7 @@ def memory(shape: Shape, s: Setup) -> Memory:
 
 def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     """Per-GPU bytes on the ranks of pipeline rank ``stage`` (every rank when ``pp == 1``)."""
-    stored, compute, reduce = _dtype_bytes(s.precision)
+    stored, compute, reduce = dtype_bytes(s.precision)
     sharded, replicated, root, n_blocks = rank_params(shape, s)[stage]
     n = sharded / (s.tp * s.dp_shard) + replicated / s.dp_shard
     params, grads, opt = n * stored, n * stored, 2 * n * stored
@@ -319,7 +319,7 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     """Seconds per optimizer step and tokens/s per GPU. ``efficiency``: the fraction of peak the matmuls reach
     (calibrated, see cuboid.planner); ``compile_gain`` and ``fp8_gain``: speed-ups of compute with
     ``torch.compile`` and float8 matmuls."""
-    _, compute_b, reduce_b = _dtype_bytes(s.precision)
+    _, compute_b, reduce_b = dtype_bytes(s.precision)
     tokens_dp = s.batch * s.seq  # per data-parallel rank and step
     per_token = shape.flops_per_token(s.seq) + recompute_flops_per_token(shape, s)
     flops = per_token * tokens_dp / (s.tp * s.pp)

@@ -47,7 +47,7 @@ def host_group() -> Any:
     """A gloo group of every rank: the default group when it is gloo, else a new one (made by every rank)."""
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", group_desc="cuboid_host")
 
 
 def signal_numbers(names: Sequence[str | int]) -> tuple[signal.Signals, ...]:
