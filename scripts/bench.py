@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -232,6 +233,30 @@ def relaunch_cmd(script: str, nprocs: int, argv: list[str]) -> list[str]:
         "--worker",
         *argv,
     ]
+
+
+def launch_per_world(script: str, suite: str, worlds: list[int], forwarded: list[str]) -> list[Any]:
+    """For each world size, run ``script --worker FORWARDED --part FILE`` under torchrun and collect the list its
+    rank 0 wrote to FILE (the suites that run 2-, 4- and 8-process layouts)."""
+    results: list[Any] = []
+    for world in worlds:
+        part = Path(f"/tmp/cuboid-{suite}-{world}.json")
+        part.unlink(missing_ok=True)
+        code = subprocess.call(relaunch_cmd(script, world, [*forwarded, "--part", str(part)]))
+        if code != 0:
+            sys.exit(f"bench {suite}: the {world}-process launch exited {code}")
+        results += json.loads(part.read_text())
+    return results
+
+
+def write_results(out: str, meta: dict[str, Any], results: list[Any]) -> None:
+    """``{machine, versions, meta..., results}`` as JSON to ``out``."""
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = {"machine": "CPU, gloo", "torch": torch.__version__, "lightning": L.__version__}
+    path.write_text(json.dumps({**base, **meta, "results": results}, indent=1))
+    print(f"wrote {path}")
 
 
 def main() -> None:

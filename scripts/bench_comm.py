@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -117,22 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench import relaunch_cmd
+    from bench import launch_per_world, write_results
 
-    results: list[dict[str, Any]] = []
-    for world in args.world or sorted(LAYOUTS):
-        part = Path(f"/tmp/cuboid-comm-{world}.json")
-        part.unlink(missing_ok=True)
-        code = subprocess.call(relaunch_cmd(__file__, world, ["--steps", str(args.steps), "--part", str(part)]))
-        if code != 0:
-            sys.exit(f"bench comm: the {world}-process launch exited {code}")
-        results += json.loads(part.read_text())
+    results = launch_per_world(__file__, "comm", args.world or sorted(LAYOUTS), ["--steps", str(args.steps)])
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": "CPU, gloo", "torch": torch.__version__, "lightning": L.__version__, "steps": args.steps}
-    out.write_text(json.dumps({**meta, "results": results}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, {"steps": args.steps}, results)
 
 
 if __name__ == "__main__":

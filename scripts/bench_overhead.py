@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections import defaultdict
 from datetime import timedelta
@@ -292,25 +291,14 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench import relaunch_cmd
+    from bench import launch_per_world, write_results
 
-    results: list[dict[str, Any]] = []
-    for world in args.world or sorted(LAYOUTS):
-        part = Path(f"/tmp/cuboid-overhead-{world}.json")
-        part.unlink(missing_ok=True)
-        forwarded = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
-        forwarded += ["--sites"] if args.sites else []
-        code = subprocess.call(relaunch_cmd(__file__, world, [*forwarded, "--part", str(part)]))
-        if code != 0:
-            sys.exit(f"bench overhead: the {world}-process launch exited {code}")
-        results += json.loads(part.read_text())
+    forwarded = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
+    forwarded += ["--sites"] if args.sites else []
+    results = launch_per_world(__file__, "overhead", args.world or sorted(LAYOUTS), forwarded)
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": "CPU, gloo", "torch": torch.__version__, "lightning": L.__version__, "steps": args.steps,
-            "warmup": args.warmup, "log_every_n_steps": args.log_every}  # fmt: skip
-    out.write_text(json.dumps({**meta, "results": results}, indent=1))
-    print(f"wrote {out}")
+    meta = {"steps": args.steps, "warmup": args.warmup, "log_every_n_steps": args.log_every}
+    write_results(args.out, meta, results)
 
 
 if __name__ == "__main__":
