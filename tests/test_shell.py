@@ -423,3 +423,51 @@ def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path
               if "train/loss" in r}  # fmt: skip
     assert sorted(logged) == list(range(n)), (n, sorted(logged))
     assert [logged[step] for step in range(n)] == pytest.approx(whole["losses"][:n], rel=1e-5)  # the first start
+
+
+@pytest.mark.slow
+def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Path) -> None:
+    """Two tasks with SLURM's variables (one node, job 4242, no launcher of ours): SIGUSR1 to task 1 only, after
+    the step-10 checkpoint. Both tasks stop after the same step with one checkpoint and exit 0 (SLURM's --requeue
+    then starts the job again; ``scontrol`` is not installed here, so rank 0 says so instead of calling it). The
+    requeued job (same variables, same run directory) resumes there into the same W&B run, and its losses and
+    final validation equal an uninterrupted run's under the same variables."""
+    import signal
+
+    steps = ["trainer.max_steps=40", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
+             "trainer.enable_progress_bar=false", "trainer.devices=2"]  # fmt: skip
+
+    def launch(run: Path) -> list[subprocess.Popen]:
+        port = free_port()
+        args = [sys.executable, TRAIN, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *steps, f"hydra.run.dir={run}"]
+        return [subprocess.Popen(args, cwd=tmp_path, env=slurm_env(r, nodes=1, per_node=2, port=port),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+
+    def finish(procs: list[subprocess.Popen]) -> list[str]:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        failed = [f"task {r}:\n{o[-3000:]}" for r, (p, o) in enumerate(zip(procs, outs, strict=True)) if p.returncode]
+        assert not failed, "\n".join(failed)
+        return outs
+
+    finish(launch(tmp_path / "whole"))
+    whole = summary(tmp_path / "whole")
+    run = tmp_path / "run"
+    procs = launch(run)
+    deadline = time.time() + 240
+    while not list((run / "checkpoints").glob("*step=10.ckpt")) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGUSR1)  # task 1 only: the other learns of it through the per-step agreement
+    outs = finish(procs)
+    assert "not under SLURM with scontrol" in outs[0], outs[0][-3000:]
+    saved = list((run / "checkpoints").glob("preempted-step=*.ckpt"))
+    assert len(saved) == 1
+    n = int(saved[0].name.split("=")[1].split(".")[0])
+    assert 10 <= n < 40 and not (run / "summary.json").exists()
+    outs = finish(launch(run))
+    assert f"resuming from {saved[0]}" in outs[0]
+    second = summary(run)
+    assert second["steps"] == 40 and second["cluster_environment"] == "SLURMEnvironment"
+    assert second["losses"] == pytest.approx(whole["losses"][n:], rel=1e-5)
+    assert second["val_ppl"] == pytest.approx(whole["val_ppl"], rel=1e-5)
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in runs}) == 1, runs
