@@ -12,6 +12,7 @@ parameters + gradients + optimizer state against the ideal total / (dp_shard x t
     python scripts/bench.py --suite checkpoint   # save/load MB/s, sync and async (scripts/bench_checkpoint.py)
     python scripts/bench.py --suite overhead     # host syncs and collectives per step (scripts/bench_overhead.py)
     python scripts/bench.py --suite comm         # the ledger's bytes per mesh dimension vs analytic (bench_comm.py)
+    python scripts/bench.py --suite memory       # per-rank persistent and peak bytes at N = 1..8 (bench_memory.py)
 
 Lightning's strategy needs the model parallelized by hand in ``configure_model``; the bench
 does that the torchtitan way (same TP plan, ``fully_shard`` per block then the root).
@@ -263,7 +264,7 @@ def main() -> None:
     if "--suite" in sys.argv:
         at = sys.argv.index("--suite")
         suite, rest = sys.argv[at + 1], sys.argv[:at] + sys.argv[at + 2 :]
-        if suite in ("pipeline", "checkpoint", "overhead", "comm"):
+        if suite in ("pipeline", "checkpoint", "overhead", "comm", "memory"):
             sys.path.insert(0, str(Path(__file__).parent))
             module = __import__(f"bench_{suite}")
             module.main(rest[1:])

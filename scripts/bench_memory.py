@@ -1,0 +1,214 @@
+"""The memory curve: per-rank persistent and peak bytes at N = 1, 2, 4, 8 processes for one model, against 1/N.
+
+    python scripts/bench.py --suite memory             # every layout, then the table and docs/bench/memory.png
+    python scripts/bench.py --suite memory --world 2   # only the 2-process layouts
+
+A benchmark, not a test. One Llama (8 blocks, dim 256, vocab 2048: 7.3 M parameters) trains 3 steps of 4
+sequences x 128 tokens per data-parallel rank (weak scaling: the work per rank stays the same) under FSDP at
+N = 1, 2, 4, 8, HSDP (2 replicas), TP 2 x FSDP and 3D, in fp32 and bf16-mixed. Per rank:
+
+* persistent: parameters, gradients and AdamW state, from the DTensor local shapes after the last step;
+* peak: persistent + the step's own peak, the most bytes of tensors made during a training step (forward,
+  backward, optimizer step) alive at once, counted
+  by a ``TorchDispatchMode`` that adds each new storage an op returns and a ``weakref.finalize`` on the storage that
+  subtracts it when freed (storages made before the step, the persistent ones, are not counted here); on CPU there
+  is no allocator peak to read, and this counts tensors, not the allocator's cache.
+
+Writes ``docs/bench/memory.json`` and ``docs/bench/memory.png`` (log-log, with the 1/N line; needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader
+
+from cuboid import CuboidStrategy
+from cuboid.models import CausalLM, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
+BATCH, SEQ, STEPS = 4, 128, 3
+LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
+    1: [("FSDP", p, {}) for p in ("32-true", "bf16-mixed")],
+    2: [("FSDP", p, {}) for p in ("32-true", "bf16-mixed")] + [("TP2 x FSDP", "32-true", {"tensor_parallel": 2})],
+    4: [("FSDP", p, {}) for p in ("32-true", "bf16-mixed")]
+    + [("HSDP 2 x", "32-true", {"data_parallel_replicate": 2}), ("TP2 x FSDP", "32-true", {"tensor_parallel": 2})],
+    8: [("FSDP", p, {}) for p in ("32-true", "bf16-mixed")]
+    + [("HSDP 2 x", "32-true", {"data_parallel_replicate": 2}), ("TP2 x FSDP", "32-true", {"tensor_parallel": 2}),
+       ("3D pp2 x dp2 x tp2", "32-true", {"pipeline_parallel": 2, "tensor_parallel": 2})],
+}  # fmt: skip
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops return, alive now and at most (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self.live:
+                continue
+            self.live[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+class Measure(L.Callback):
+    def __init__(self) -> None:
+        self.mode: LiveBytes | None = None
+        self.peaks: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.mode = LiveBytes()
+        self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        assert self.mode is not None
+        self.mode.__exit__(None, None, None)
+        self.peaks.append(self.mode.peak)
+
+
+def persistent_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in module.parameters())
+    grads = sum(nbytes(p.grad) for p in module.parameters() if p.grad is not None)
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return params + max(grads, params) + state  # gradients may be freed after the step: count them as held
+
+
+def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    measure = Measure()
+    strategy = CuboidStrategy(timeout=timedelta(seconds=120), **kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=precision, max_steps=STEPS,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[measure])  # fmt: skip
+    layout = strategy.layout.resolve(world)
+    tokens = torch.randint(
+        0, CFG.vocab_size, (BATCH * STEPS * layout.dp, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+    module = CausalLM(model=CFG, warmup_steps=1, max_steps=STEPS)
+    trainer.fit(module, DataLoader(tokens, batch_size=BATCH))
+    return {"layout": label, "precision": precision, "world": world, "peak": max(measure.peaks[1:]),
+            "persistent": persistent_bytes(module, trainer.optimizers[0])}  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> None:
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    results = []
+    for label, precision, kwargs in LAYOUTS[world]:
+        one = run_layout(label, precision, kwargs, world)
+        per_rank: list = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, one)
+        else:
+            per_rank = [one]
+        results.append({**one, "peak": max(r["peak"] for r in per_rank),
+                        "persistent": max(r["persistent"] for r in per_rank),
+                        "total": max(r["peak"] + r["persistent"] for r in per_rank)})  # fmt: skip
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(args.part).write_text(json.dumps(results))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    base = {r["precision"]: r for r in results if r["world"] == 1}
+    lines = [f"{'layout':<20}{'precision':<12}{'N':>3}{'persistent MiB':>16}{'x N / N=1':>11}{'step peak MiB':>15}"
+             f"{'peak MiB':>10}{'x N / N=1':>11}"]  # fmt: skip
+    for r in sorted(results, key=lambda r: (r["layout"], r["precision"], r["world"])):
+        one = base.get(r["precision"])
+        scaled = {k: f"{r[k] * r['world'] / one[k]:.2f}" if one else "-" for k in ("persistent", "total")}
+        lines.append(f"{r['layout']:<20}{r['precision']:<12}{r['world']:>3}{r['persistent'] / 2**20:>16.2f}"
+                     f"{scaled['persistent']:>11}{r['peak'] / 2**20:>15.2f}{r['total'] / 2**20:>10.2f}"
+                     f"{scaled['total']:>11}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    base = next(r for r in results if r["world"] == 1 and r["precision"] == "32-true")
+    ns = [1, 2, 4, 8]
+    ax.plot(ns, [base["persistent"] / 2**20 / n for n in ns], "k:", label="1/N from N=1 (persistent)")
+    for (label, precision), marker in zip(
+        sorted({(r["layout"], r["precision"]) for r in results}), "osD^v<>", strict=False
+    ):
+        rows = sorted(
+            (r for r in results if (r["layout"], r["precision"]) == (label, precision)), key=lambda r: r["world"]
+        )
+        xs = [r["world"] for r in rows]
+        ax.plot(xs, [r["persistent"] / 2**20 for r in rows], marker=marker, label=f"{label} {precision}: persistent")
+        ax.plot(
+            xs,
+            [r["total"] / 2**20 for r in rows],
+            marker=marker,
+            linestyle="--",
+            label=f"{label} {precision}: peak",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("processes N")
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("Per-rank bytes vs N: 7.3 M-parameter Llama, 4 x 128 tokens per dp rank", fontsize=9)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, action="append", default=None, help="1, 2, 4 or 8 (repeatable)")
+    parser.add_argument("--out", default="docs/bench/memory.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench import launch_per_world, write_results
+
+    results = launch_per_world(__file__, "memory", args.world or sorted(LAYOUTS), [])
+    print(table(results))
+    write_results(args.out, {"batch": BATCH, "seq": SEQ, "steps": STEPS}, results)
+    if not args.world:
+        plot(results, Path(args.out).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
