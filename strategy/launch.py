@@ -158,6 +158,21 @@ def check_before_launch(
     check_slurm_tasks(cluster_environment, num_nodes, num_processes)
 
 
+def check_external_launch(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
+    """Processes started by torchrun (or another external launcher) must be what the Trainer expects: its world
+    size num_nodes x devices, and this process's local rank one of the devices."""
+    if not env.creates_processes_externally:
+        return
+    check_slurm_tasks(env, num_nodes, devices)  # SLURM's own message first
+    world, local = env.world_size(), env.local_rank()
+    if world != num_nodes * devices or local >= devices:
+        raise LayoutError(
+            f"The launcher started {world} processes (this one local rank {local}), but the Trainer expects "
+            f"num_nodes ({num_nodes}) x devices ({devices}) = {num_nodes * devices}. Set Trainer(devices=...) to the "
+            "processes per node (torchrun's --nproc-per-node, SLURM's --ntasks-per-node) and num_nodes to the nodes."
+        )
+
+
 def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
     """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment

@@ -27,7 +27,13 @@ from cuboid import compat, loss_parallel, planner, plans
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.faults import JobGuard
-from cuboid.launch import CuboidLauncher, check_before_launch, destroy_process_group_at_exit, forget_previous_launch
+from cuboid.launch import (
+    CuboidLauncher,
+    check_before_launch,
+    check_external_launch,
+    destroy_process_group_at_exit,
+    forget_previous_launch,
+)
 from cuboid.mesh import DP_DIMS, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.nonfinite import NonFiniteGuard
 from cuboid.parallelize import (
@@ -280,6 +286,7 @@ class CuboidStrategy(ParallelStrategy):
         # Check the layout in the launching process, before any child process or process group exists.
         resolved = self.layout.resolve(self.num_nodes * self.num_processes)
         check_reshard_after_forward(self.reshard_after_forward, resolved.dp_shard)
+        check_external_launch(self.cluster_environment, self.num_nodes, self.num_processes)  # before root_device
         check_before_launch(
             self.cluster_environment, self.num_nodes, self.num_processes, self.cpu_offload, self.root_device
         )

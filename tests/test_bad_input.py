@@ -58,6 +58,17 @@ def _slurm_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     check_slurm_tasks(SLURMEnvironment(), num_nodes=2, devices=4)
 
 
+def _torchrun_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun started 2 processes on this node; the script says Trainer(devices=1)."""
+    import lightning as L
+
+    for key, value in {"TORCHELASTIC_RUN_ID": "r", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                       "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29999"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    L.Trainer(accelerator="cpu", devices=1, strategy=CuboidStrategy(), logger=False)
+
+
 def _train_config(**overrides: object) -> None:
     import sys
 
@@ -224,6 +235,12 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         LayoutError,
         r"SLURM runs 6 tasks .* num_nodes \(2\) x devices \(4\) = 8",
     ),
+    "torchrun processes that disagree with the Trainer's devices": (
+        _torchrun_mismatch,
+        LayoutError,
+        r"The launcher started 2 processes \(this one local rank 1\), but the Trainer expects num_nodes \(1\) x "
+        r"devices \(1\) = 1",
+    ),
     "a Hydra sequence longer than the model's": (
         lambda: _train_config(**{"data.seq_len": 4096}),
         ValueError,
@@ -237,7 +254,7 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
 def test_bad_input_fails_with_a_message_that_says_what_to_do(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     run, error, match = CASES[name]
     with pytest.raises(error, match=match):
-        run(monkeypatch) if run is _slurm_mismatch else run()
+        run(monkeypatch) if run in (_slurm_mismatch, _torchrun_mismatch) else run()
 
 
 def test_the_catalogue_is_large_and_in_the_readme() -> None:
