@@ -154,6 +154,12 @@ class Checkpointer:
                     raise error
                 rank_zero_info(f"Cuboid: {error}")
 
+    def settle(self) -> None:
+        """Block until a background save has finished, keeping its outcome for :meth:`failure` (at the end of
+        training, so that a failure that happens after the last step is still raised on every rank)."""
+        if self._pending is not None:
+            self._pending.join()
+
     def failure(self) -> BaseException | None:
         """The error of a background save that has finished and failed (None while it runs or if it succeeded);
         checked by every rank after each optimizer step, without waiting."""

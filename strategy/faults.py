@@ -63,12 +63,18 @@ class JobGuard:
             self.watchdog.on_mark = lambda mark: hangs.respond(store, rank, mark, self.dump_dir)
 
     # --- setup
-    def setup(self, trainer: Any, fitting: bool, save_failure: Callable[[], BaseException | None]) -> None:
+    def setup(
+        self,
+        trainer: Any,
+        fitting: bool,
+        save_failure: Callable[[], BaseException | None],
+        settle_saves: Callable[[], None] = lambda: None,
+    ) -> None:
         self.even = EvenBatches(trainer, self.host_group)
         self.even.install()
         if fitting:
             self._lock_checkpoint_dirs(trainer)
-            self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure)
+            self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure, settle_saves)
             self.stop.install()
 
     def _lock_checkpoint_dirs(self, trainer: Any) -> None:

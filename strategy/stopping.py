@@ -72,9 +72,11 @@ class StopAgreement(L.Callback):
         group: Any,
         preempt_on: Sequence[signal.Signals],
         save_failure: Callable[[], BaseException | None] = lambda: None,
+        settle_saves: Callable[[], None] = lambda: None,
     ) -> None:
         self.trainer, self.group, self.preempt_on = trainer, group, tuple(preempt_on)
         self.save_failure = save_failure  # a background save that failed, surfaced at the next step on every rank
+        self.settle_saves = settle_saves  # wait for a background save to finish (at the end of training)
         self.received = 0  # the strongest request this rank's handlers recorded (STOP or PREEMPT)
         self.preempted_to: Path | None = None
         self._mark_received: Callable[[], None] = lambda: None
@@ -111,10 +113,7 @@ class StopAgreement(L.Callback):
             return
         request = self.agreed()
         if request == SAVE_FAILED:
-            raise self.save_failure() or CheckpointError(
-                "a background checkpoint save failed on another rank (its log says why). Nothing was replaced: "
-                "the previous checkpoints are intact; resume from the newest complete one."
-            )
+            self._raise_save_failure()
         if request == PREEMPT:
             self.preempted_to = self.save(trainer)
             requeue(trainer.is_global_zero)
@@ -122,6 +121,19 @@ class StopAgreement(L.Callback):
             # trainer.received_sigterm, on every rank at once: Lightning's loop raises SIGTERMException at the end of
             # this step, after logging it (raising here lost the step's logged metrics: a gap in the W&B curve).
             self._mark_received()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A background save still running after the last step: wait for it, and fail on every rank if it failed on
+        any (a failure that finished after the last step's check would otherwise only be logged at teardown)."""
+        self.settle_saves()
+        if self.agreed() == SAVE_FAILED:
+            self._raise_save_failure()
+
+    def _raise_save_failure(self) -> None:
+        raise self.save_failure() or CheckpointError(
+            "a background checkpoint save failed on another rank (its log says why). Nothing was replaced: "
+            "the previous checkpoints are intact; resume from the newest complete one."
+        )
 
     def save(self, trainer: L.Trainer) -> Path:
         callback = trainer.checkpoint_callback

@@ -359,7 +359,9 @@ class CuboidStrategy(ParallelStrategy):
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
         self.faults.extra_group(self.checkpointer.group)
-        self.faults.setup(trainer, trainer.state.fn == TrainerFn.FITTING, self.checkpointer.failure)
+        self.faults.setup(
+            trainer, trainer.state.fn == TrainerFn.FITTING, self.checkpointer.failure, self.checkpointer.settle
+        )
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
