@@ -283,11 +283,15 @@ class StepTime:
     bubble: float
     p2p: float
     optimizer: float
-    tokens_per_s_per_gpu: float
+    tokens_per_gpu: float  # tokens of one optimizer step per GPU (global tokens / world)
 
     @property
     def total(self) -> float:
         return self.compute + self.fsdp + self.hsdp + self.tp + self.bubble + self.p2p + self.optimizer
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_gpu / self.total
 
 
 def _ring(size: int, nbytes: float, bandwidth: float, alpha: float) -> float:
@@ -353,13 +357,7 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
         act = tokens_dp / s.m * shape.dim * compute_b / s.tp
         p2p = 2 * (s.pp - 1) * (alpha_p + act / bw_p)
     optimizer = stage / s.dp_shard * 16 * 2 / hw.hbm  # read and write params, grads and moments once
-    total = compute + fsdp + hsdp + tp + bubble + p2p + optimizer
-    tps = tokens_dp * s.dp_replicate * s.dp_shard / total / s.world
-    return StepTime(compute, fsdp, hsdp, tp, bubble, p2p, optimizer, tps)
-
-
-def with_batch(s: Setup, batch: int) -> Setup:
-    return replace(s, batch=batch)
+    return StepTime(compute, fsdp, hsdp, tp, bubble, p2p, optimizer, tokens_dp * s.dp_replicate * s.dp_shard / s.world)
 
 
 def fits(mem: Memory, hw: Hardware, headroom: float = 0.9) -> bool:

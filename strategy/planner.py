@@ -75,7 +75,7 @@ class Option:
             "persistent_gib": m.persistent / GIB, "gathered_gib": m.gathered / GIB,
             "activations_gib": m.activations / GIB, "logits_gib": m.logits / GIB, "total_gib": m.total / GIB,
             "host_gib": m.host / GIB, "stage_imbalance": m.imbalance, "fits": self.fits,
-            "tokens_per_s_per_gpu": _tps(self) if self.time else 0.0,
+            "tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu if self.time else 0.0,
             "step_s": self.time.total if self.time else 0.0,
         }  # fmt: skip
 
@@ -152,16 +152,9 @@ def plan(
                 if offload and t is not None:  # parameters, gradients and moments cross PCIe every step
                     t = replace(t, optimizer=t.optimizer + 3 * mem.host / 25e9)
                 options.append(Option(s, mem, t, ok, host_ok))
-    fitting = sorted((o for o in options if o.fits), key=lambda o: -_tps(o))
+    fitting = sorted((o for o in options if o.fits), key=lambda o: -o.time.tokens_per_s_per_gpu)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.memory.total)
     return fitting + rest
-
-
-def _tps(o: Option) -> float:
-    assert o.time is not None
-    total = o.time.total
-    tokens = o.setup.batch * o.setup.seq * o.setup.dp_replicate * o.setup.dp_shard
-    return tokens / total / o.setup.world
 
 
 def validation_table(hw: Hardware | None = None) -> str:
@@ -206,11 +199,11 @@ def what_fits(options: list[Option], gpus_per_node: int = 8) -> str:
                 continue
             fitting = [o for o in group if o.fits]
             if fitting:
-                o = max(fitting, key=_tps)
+                o = max(fitting, key=lambda o: o.time.tokens_per_s_per_gpu)
                 host = f", host {o.memory.host * gpus_per_node / GIB:.0f} GiB per node" if offload else ""
                 lines.append(
                     f"  AC {ac or 'none':9} offload {'yes' if offload else 'no ':3}: fits: {_name(o)}, {o.setup.batch} "
-                    f"seq/rank, {o.memory.total / GIB:.1f} GiB/GPU{host}, ~{_tps(o):.0f} tok/s/GPU"
+                    f"seq/rank, {o.memory.total / GIB:.1f} GiB/GPU{host}, ~{o.time.tokens_per_s_per_gpu:.0f} tok/s/GPU"
                 )
             else:
                 o = min(group, key=lambda o: o.memory.total)
@@ -243,7 +236,7 @@ def recommend(options: list[Option]) -> str:
         args.append("cpu_offload=True")
     return (
         f"Recommended: CuboidStrategy({', '.join(args)}) with {s.batch} sequences of {s.seq} tokens per "
-        f"data-parallel rank per step: {o.memory.total / GIB:.1f} GiB per GPU, about {_tps(o):.0f} tokens/s per GPU."
+        f"data-parallel rank per step: {o.memory.total / GIB:.1f} GiB per GPU, about {o.time.tokens_per_s_per_gpu:.0f} tokens/s per GPU."
     )
 
 
