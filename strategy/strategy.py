@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from cuboid import compat, loss_parallel, planner, plans
+from cuboid import compat, fit, loss_parallel, plans
 from cuboid import pretrained as pretrained_weights
 from cuboid.checkpoint_glue import Checkpointer
 from cuboid.faults import JobGuard
@@ -189,6 +189,8 @@ class CuboidStrategy(ParallelStrategy):
             for pattern, style in tensor_parallel_plan.items():
                 plans.canonical_style(style, pattern)
         self.layout = Layout(pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel)
+        self._dp_shard_auto = data_parallel_shard == "auto"
+        self.fit_estimate: fit.Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
         self.block_container = block_container
         self.activation_checkpointing = activation_checkpointing
@@ -367,12 +369,19 @@ class CuboidStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
-            if self.root_device.type == "cuda" and not self.cpu_offload:  # a layout that cannot fit, refused now
-                capacity = torch.cuda.get_device_properties(self.root_device).total_memory
-                planner.check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
+            capacity = self._device_capacity()
+            if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
+                fit.check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _device_capacity(self) -> float | None:
+        """Bytes a rank's parameters, gradients and optimizer state may take on its device (a GPU's total memory);
+        None where nothing is checked: on CPU, and with CPU offload (they live on the host)."""
+        if self.root_device.type != "cuda" or self.cpu_offload:
+            return None
+        return float(torch.cuda.get_device_properties(self.root_device).total_memory)
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
         matched = plans.resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
@@ -380,6 +389,12 @@ class CuboidStrategy(ParallelStrategy):
         if self.layout.pp > 1:  # positions in a Lightning optimizer state follow the whole model's order
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
+        self.fit_estimate = fit.estimate(
+            lm, self.layout, matched, plans.find_blocks(lm, self.block_container), self.pipelining
+        )
+        capacity = self._device_capacity()
+        if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
+            fit.refuse_if_too_big(self.fit_estimate, self.layout, capacity, self._dp_shard_auto)
         blocks = parallelize_lightning_module(
             lm,
             self.device_mesh,

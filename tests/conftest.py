@@ -20,3 +20,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"{'layout':50s} {'worst |est/meas - 1|':>20s} {'measured B/rank':>16s}")
         for name, (worst, measured) in planner.items():
             terminalreporter.write_line(f"{name:50s} {worst:20.2%} {measured:16.0f}")
+    fit = getattr(sys.modules.get("test_parity"), "FIT_TABLE", None)
+    if fit:
+        terminalreporter.section("cuboid.fit parameter bytes estimated before sharding vs measured (bound: 10%)")
+        for name, worst in fit.items():
+            terminalreporter.write_line(f"{name:50s} {worst:20.2%}")

@@ -126,3 +126,13 @@ def parity_errors(got: dict, ref: Reference, steps: slice = slice(None)) -> tupl
     params = got["params"]
     err = max((params[k if k in params else f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
     return rel, err
+
+
+def fit_estimate_error(ranks: list[dict]) -> float:
+    """The worst |estimate / measured - 1| over ranks, of cuboid.fit's parameter bytes per rank (counted from the
+    unsharded module before sharding) against the rank's measured DTensor local parameter bytes."""
+    worst = 0.0
+    for facts in ranks:
+        assert facts["estimated_params"] is not None, facts["rank"]
+        worst = max(worst, abs(facts["estimated_params"] / facts["bytes"]["params"] - 1))
+    return worst

@@ -69,6 +69,19 @@ def _torchrun_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     L.Trainer(accelerator="cpu", devices=1, strategy=CuboidStrategy(), logger=False)
 
 
+def _too_big_for_the_device() -> None:
+    """What setup checks on a GPU before materializing anything: a 3.3 B-parameter fp32 Llama (built on meta) on 8
+    ranks of a 2 GiB device."""
+    from cuboid.fit import estimate, refuse_if_too_big
+    from cuboid.pipeline_steps import Pipelining
+
+    cfg = LlamaConfig(vocab_size=32000, dim=4096, n_layers=14, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    lm = _Wrapper(cfg)
+    layout = Layout(dp_shard="auto").resolve(8)
+    est = estimate(lm, layout, resolve_plan(lm, None, 1), find_blocks(lm), Pipelining(1))
+    refuse_if_too_big(est, layout, 2 * 2**30, auto=True)
+
+
 def _train_config(**overrides: object) -> None:
     import sys
 
@@ -240,6 +253,13 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         LayoutError,
         r"The launcher started 2 processes \(this one local rank 1\), but the Trainer expects num_nodes \(1\) x "
         r"devices \(1\) = 1",
+    ),
+    "a layout whose parameters and gradients exceed the GPU": (
+        _too_big_for_the_device,
+        LayoutError,
+        r"The layout pp=1 x dp_replicate=1 x dp_shard=8 x tp=1 cannot fit: each rank would hold 1\.54 GiB of "
+        r"parameter shards .* the device has 2\.00 GiB\. data_parallel_shard='auto' filled 8 .* Parameters and gradients "
+        r"alone need data_parallel_shard >= 13 \(13 GPUs",
     ),
     "a Hydra sequence longer than the model's": (
         lambda: _train_config(**{"data.seq_len": 4096}),

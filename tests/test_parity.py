@@ -276,3 +276,17 @@ def test_planner_persistent_bytes_are_within_10_percent_of_measured(name: str, r
         worst = max(worst, abs(predicted / measured - 1))
         assert abs(predicted / measured - 1) <= 0.10, (facts["rank"], predicted, measured)
     PLANNER_TABLE[name] = (worst, sum(sum(f["bytes"].values()) for f in ranks) / len(ranks))
+
+
+# cuboid.fit's parameter bytes per rank, estimated from the unsharded module before any sharding (what setup refuses
+# a layout on, on GPUs), beside each rank's measured DTensor local parameter bytes; printed at the end.
+FIT_TABLE: dict[str, float] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_fit_estimate_before_sharding_is_within_10_percent_of_measured(name: str, results) -> None:
+    from parity_lib import fit_estimate_error
+
+    FIT_TABLE[name] = fit_estimate_error(results[name]["ranks"])
+    assert FIT_TABLE[name] <= 0.10, FIT_TABLE[name]

@@ -51,6 +51,13 @@ RUNS: dict[str, Run] = {
         {"model": "hf_llama", "strategy": TP2, "meta_init": True, "probe_module": True, "validate": True},
     ),
 }
+# The fit checks against a device of a given size (the worker's stand-in for a GPU's memory; CPU has none to check):
+# transformers' Llama built on meta, dp_shard="auto" over 2 ranks, ~362 KB of fp32 parameters per rank.
+FIT_RUNS: dict[str, dict] = {
+    "hf_llama-fit-refused-before-sharding": {"device_capacity": 500_000, "expect_error": True},  # < params + grads
+    "hf_llama-fit-refused-with-adamw": {"device_capacity": 1_000_000, "expect_error": True},  # < x 4 with AdamW
+    "hf_llama-fit-room-enough": {"device_capacity": 2_000_000, "max_steps": 2},
+}
 # Checkpoints of a third-party model: saved at tp2 (step 6 of 12), resumed on other layouts.
 CKPT_RUNS = {"hf_qwen3-from-tp2-to-dp2": 2, "hf_qwen3-from-tp2-to-dp2xtp2": 4}
 
@@ -75,9 +82,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for name, world in CKPT_RUNS.items():
         strategy = {} if world == 2 else TP2
         launches[world].append({"name": name, "model": "hf_qwen3", "strategy": strategy, "resume_from": str(saved)})
+    for name, spec in FIT_RUNS.items():
+        launches[2].append({"name": name, "model": "hf_llama", "meta_init": True, "strategy": {}, **spec})
     for world in sorted(launches):
         torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(launches[world]))
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in [*RUNS, *CKPT_RUNS]}
+    got = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in [*RUNS, *CKPT_RUNS]}
+    for name, spec in FIT_RUNS.items():
+        path = out / (f"{name}.error.json" if spec.get("expect_error") else f"{name}.pt")
+        got[name] = json.loads(path.read_text()) if spec.get("expect_error") else torch.load(path, weights_only=False)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +136,39 @@ def test_third_party_layout_is_real(name: str, results) -> None:
             assert placements["model.model.layers.0.self_attn.q_norm.weight"][1][-1] == "R"
         # FSDP units are the blocks: every block parameter is sharded over dp_shard
         assert all(dims[0] == "dp_shard" for dims, *_ in placements.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_fit_estimate_before_sharding_is_within_10_percent_of_measured(name: str, results) -> None:
+    """cuboid.fit counts each rank's parameter bytes from the unsharded model (on meta for the meta-init run) with
+    the model's own tp plan (ViT's given as data, Qwen3's replicated norms) before sharding."""
+    from parity_lib import fit_estimate_error
+
+    worst = fit_estimate_error(results[name]["ranks"])
+    print(f"{name}: fit estimate worst |est/meas - 1| = {worst:.2%}")
+    assert worst <= 0.10, worst
+
+
+@pytest.mark.slow
+def test_a_layout_that_cannot_fit_is_refused_before_anything_is_allocated(results) -> None:
+    """Parameters and gradients alone beyond the device: refused in setup, from the unsharded (meta) model, before
+    anything is materialized, with the estimate, what auto filled and the shard group it would take. Beyond it only
+    with AdamW's two moments: refused once the optimizer exists, before the first step. With room: it trains."""
+    early = results["hf_llama-fit-refused-before-sharding"]
+    assert early["still_meta"] is True, early
+    assert early["error"].startswith("LayoutError: The layout pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 cannot fit"), (
+        early
+    )
+    for part in ("would hold 0.34 MiB of parameter shards", "0.69 MiB before any optimizer state", "1.38 MiB with an "
+                 "Adam-like", "the device has 0.48 MiB", "data_parallel_shard='auto' filled 2 (the world 2",
+                 "data_parallel_shard >= 3 (3 GPUs", "with Adam >= 6 (6 GPUs)", "Nothing was allocated"):  # fmt: skip
+        assert part in early["error"], (part, early["error"])
+    late = results["hf_llama-fit-refused-with-adamw"]
+    assert late["error"].startswith("LayoutError: The layout pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 cannot fit: "
+                                    "each rank holds 1.38 MiB"), late  # fmt: skip
+    assert "(0.34 MiB of parameters x 4)" in late["error"], late
+    assert results["hf_llama-fit-room-enough"]["ranks"][0]["stopped_at"] == 2
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ class Facts(L.Callback):
         self.watch_link = watch_link
         self.link_targets_complete: list[bool] = []  # at each step start: is `last`'s target a whole checkpoint?
         self.bytes: dict[str, int] = {}
+        self.estimated_params: int | None = None  # cuboid.fit's estimate of this rank's parameter bytes
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.seen: list[list[int]] = []
@@ -67,6 +68,9 @@ class Facts(L.Callback):
         # After the first optimizer step: sharded parameters, gradients and AdamW state all exist.
         if not self.bytes and trainer.global_step == 1:
             self.bytes = local_bytes(pl_module, trainer.optimizers[0])
+            estimate = trainer.strategy.fit_estimate  # made before sharding, from the unsharded module
+            if estimate is not None:
+                self.estimated_params = estimate.rank_bytes(trainer.strategy.device_mesh["pp"].get_local_rank())
 
 
 class _OpCounter(TorchDispatchMode):
@@ -137,14 +141,16 @@ class StrayParameter(LlamaModule):
 
 
 def run_expecting_error(spec: dict, out_dir: Path) -> None:
-    """Run a spec that must fail before training; rank 0 records the error message."""
+    """Run a spec that must fail before training; rank 0 records the error message and whether the module's
+    parameters were all still on the meta device when it came (nothing materialized)."""
     try:
         run(spec, out_dir)
         message = None
     except Exception as err:  # noqa: BLE001  (the message is what the test checks)
         message = f"{type(err).__name__}: {err}"
+    still_meta = all(p.is_meta for p in LAST_MODULE[0].parameters()) if LAST_MODULE else None
     if dist.get_rank() == 0:
-        (out_dir / f"{spec['name']}.error.json").write_text(json.dumps({"error": message}))
+        (out_dir / f"{spec['name']}.error.json").write_text(json.dumps({"error": message, "still_meta": still_meta}))
     dist.barrier()
 
 
@@ -186,10 +192,28 @@ def stalling_writer(victim: int, sentinel: str):
     return lambda path: Stalling(path)
 
 
+class DeviceOfSize(CuboidStrategy):
+    """A CuboidStrategy that checks layouts against a device of ``capacity`` bytes, as it does against a GPU's
+    memory; on CPU there is none to check (the test's stand-in for a GPU's size, said as such)."""
+
+    def __init__(self, capacity: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.capacity = capacity
+
+    def _device_capacity(self) -> float | None:
+        return self.capacity
+
+
+LAST_MODULE: list[L.LightningModule] = []
+
+
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = int(dist.get_world_size()) if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
-    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
+    if spec.get("device_capacity"):
+        strategy = DeviceOfSize(spec["device_capacity"], timeout=timedelta(seconds=90), **spec["strategy"])
+    else:
+        strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
     dp = strategy.layout.resolve(world).dp
     if spec.get("stall_on_save"):
         saves = {"n": 0}
@@ -216,6 +240,7 @@ def run(spec: dict, out_dir: Path) -> None:
         module.probe = torch.nn.Linear(4, 4)
         torch.nn.init.constant_(module.probe.weight, 0.5)
         torch.nn.init.constant_(module.probe.bias, 0.5)
+    LAST_MODULE[:] = [module]
     facts = Facts(Path(spec["save_dir"]) / "last.ckpt" if spec.get("save_last") == "link" else None)
     callbacks: list[L.Callback] = [facts]
     if spec.get("save_epoch_end"):  # ModelCheckpoint's default: one checkpoint at the end of every epoch
@@ -296,6 +321,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "logged": facts.logged,
         "placements": placements,
         "bytes": facts.bytes,
+        "estimated_params": facts.estimated_params,
         "rank": dist.get_rank(),
         "dp_rank": strategy.dp_mesh.get_local_rank(),
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
