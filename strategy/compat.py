@@ -213,6 +213,30 @@ def flight_recorder_dump() -> bytes:
     return _distributed_c10d._dump_fr_trace(True, True, False)
 
 
+def _dispatch_mode_base() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class PointToPointCounter(_dispatch_mode_base()):  # type: ignore[misc]
+    """Counts the ``c10d`` send and recv ops issued while it is entered (``with counter:``), and their tensors'
+    bytes. ``TorchDispatchMode`` (torch.utils._python_dispatch) has no public twin; the ledger uses this on gloo,
+    whose send/recv torch 2.13's flight recorder leaves out. Pinned end to end by tests/test_ledger.py (pp2 on
+    gloo: 8 sends and receives per stage, the analytic bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d" and func.__name__.split(".")[0] in ("send", "recv_"):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.count += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
     twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name

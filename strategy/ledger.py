@@ -11,6 +11,10 @@ step's table.
 
 Cost: reading the recorder copies its ring (up to ``flight_recorder`` entries) once per optimizer step, on the
 host; nothing touches the device. Meant for runs that look at communication, not for every production step.
+
+Torch 2.13's recorder leaves gloo's send/recv out: on gloo with pipeline parallel the ledger counts the pipeline's
+``c10d`` send and recv ops itself, with a ``TorchDispatchMode`` around each training batch (a Python call per op
+in the step: a CPU debugging aid; on NCCL the recorder has them).
 """
 
 from __future__ import annotations
@@ -88,7 +92,11 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     * HSDP (``dp_replicate``): the reduced gradient shards all-reduced across replicas.
     * TP (``tp``, sequence parallel): per block and micro-batch 2 all-gathers and 2 reduce-scatters of ``b s h`` in
       forward and as many in backward (4 more under full checkpointing), plus one each at the embedding (first
-      stage) and at the output (last stage). Loss parallel's small all-reduces are left out.
+      stage) and at the output (last stage); once per step, the gradients of the norm weights (replicated over
+      tp, each rank's a partial sum: 2 per block, the final norm on the last stage) all-reduced; on the last stage
+      per micro-batch, loss parallel's three all-reduces of one float32 per token (the logits' maximum, the sum
+      of their exponentials, the target's logit), or under pp, where the plan's loss parallel becomes a gathered
+      output, the logits all-gathered (``b s vocab``).
     * PP (``pp``): each micro-batch's activation and its gradient across each stage boundary this rank has.
     """
     from cuboid.estimate import dtype_bytes, rank_params, rank_stages
@@ -108,9 +116,18 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     stages = rank_stages(setup)[pp_rank]
     act = setup.batch / setup.m * setup.seq * shape.dim * c  # one micro-batch's b s h
     if setup.tp > 1:
-        ends = (0 in stages) + (n_stages - 1 in stages)
+        last = n_stages - 1 in stages
+        ends = (0 in stages) + last
         per = 4 * blocks + (2 * blocks if setup.ac == "full" else 0) + ends
-        out["tp"] = {"all_gather": per * act * setup.m, rs: per * act * setup.m}
+        norms = (2 * blocks + last) * shape.dim * c
+        tokens = setup.batch / setup.m * setup.seq  # of one micro-batch
+        loss = 3 * tokens * 4 if last and setup.pp == 1 else 0
+        logits = tokens * shape.vocab * c if last and setup.pp > 1 else 0
+        out["tp"] = {"all_gather": (per * act + logits) * setup.m, rs: per * act * setup.m}
+        if rs == "all_reduce":  # gloo: the reduce-scatters are all-reduces too
+            out["tp"]["all_reduce"] += norms + loss * setup.m
+        else:
+            out["tp"]["all_reduce"] = norms + loss * setup.m
     if setup.pp > 1:
         boundaries = sum((st > 0) + (st < n_stages - 1) for st in stages)
         out["pp"] = {"send_recv": 2 * boundaries * act * setup.m / setup.tp}
@@ -126,6 +143,8 @@ class CommLedger(L.Callback):
         self.steps: list[dict[str, dict[str, list[int]]]] = []
         self._last = -1  # the newest flight-recorder record already counted
         self._groups: dict[str, tuple[str, int]] = {}
+        self._p2p: Any = None  # on gloo with pp > 1 (see the module docstring)
+        self._p2p_active = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         entries = compat.flight_recorder_entries()
@@ -140,14 +159,30 @@ class CommLedger(L.Callback):
         except (AttributeError, AssertionError, RuntimeError):  # not a mesh strategy
             mesh = None
         self._groups = mesh_groups(mesh) if mesh is not None else {}
+        if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
+            import torch.distributed as dist
+
+            if dist.get_backend(mesh["pp"].get_group()) == "gloo":
+                self._p2p = compat.PointToPointCounter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._p2p is not None:
+            self._p2p.__enter__()
+            self._p2p_active = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._p2p is not None and self._p2p_active:
+            self._p2p.__exit__(None, None, None)
+            self._p2p_active = False
         if compat.should_accumulate(trainer):
             return
         entries = [e for e in compat.flight_recorder_entries() if e["record_id"] > self._last]
         if entries:
             self._last = entries[-1]["record_id"]
         step = tally(entries, self._groups)
+        if self._p2p is not None:  # gloo's send/recv, counted by the dispatch mode
+            step.setdefault("pp", {})["send_recv"] = [self._p2p.count, self._p2p.bytes]
+            self._p2p.count = self._p2p.bytes = 0
         self.steps.append(step)
         every = trainer.log_every_n_steps
         if self.log and trainer.is_global_zero and trainer.loggers and every and trainer.global_step % every == 0:

@@ -70,7 +70,9 @@ class CuboidStrategy(ParallelStrategy):
             as they call ``self.model(...)`` once and issue no collectives themselves.
         data_parallel_replicate: HSDP replicas (``dp_replicate``): parameters are sharded within a
             replica group and replicated across groups. ``1`` = plain FSDP.
-        data_parallel_shard: FSDP shard group size (``dp_shard``); ``"auto"`` fills the world size.
+        data_parallel_shard: FSDP shard group size (``dp_shard``); ``"auto"`` fills the world size. On a GPU,
+            setup refuses a layout whose parameters and gradients alone exceed the device before anything is
+            materialized, with the estimate and the shard group that would hold them (:mod:`cuboid.fit`).
         tensor_parallel: Tensor-parallel degree (``tp``), the innermost dim: keep it within a node.
         tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``,
             ``"embedding"``, ``"output"``, ``"sequence_parallel"``), names as seen from the

@@ -116,7 +116,7 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
     if name == "rowwise_split_input":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "output":
-        return ColwiseParallel(output_layouts=Replicate())
+        return GatheredInputColwise(output_layouts=Replicate())
     if name == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "embedding_colwise":
@@ -130,7 +130,7 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
     if name == "gather_sequence":
         return GatherSequence()
     if name == "loss_parallel":
-        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return GatheredInputColwise(output_layouts=Shard(-1), use_local_output=False)
     if name == "replicated_with_grad_allreduce":
         return LocalParams(replicate_plain=True, grad_placements=[Partial()])
     if name == "all_reduce":
@@ -200,6 +200,28 @@ class LocalParams(ParallelStyle):
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(restore)
         return module
+
+
+class GatheredInputColwise(ColwiseParallel):
+    """``ColwiseParallel`` that first gathers an input arriving as a DTensor sharded another way (the ``Shard(1)``
+    output of a sequence-parallel norm before the output projection) to ``Replicate``.
+
+    Torch's ``ColwiseParallel`` redistributes an input only when its declared ``input_layouts`` differ from
+    ``Replicate``, so a sequence-sharded DTensor reached ``F.linear`` as it was: the (batch, sequence) flatten
+    inside then all-gathered it, and backward all-reduced the input gradient, reduce-scattered it back and
+    all-gathered the input a second time for the weight gradient (seen by the communication ledger: one extra
+    all-gather and one extra reduction of ``b s h`` per micro-batch on the stage with the output). Gathered
+    here, backward reduce-scatters the input gradient once and reuses the saved gathered input."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            first, *rest = args
+            if isinstance(first, DTensor) and not all(p.is_replicate() for p in first.placements):
+                first = first.redistribute(device_mesh, [Replicate()])
+            return (first, *rest), kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)  # before ColwiseParallel's own input hook
+        return super()._apply(module, device_mesh)
 
 
 class SequenceShardedEmbedding(RowwiseParallel):
