@@ -12,7 +12,10 @@ N = 1, 2, 4, 8, HSDP (2 replicas), TP 2 x FSDP and 3D, in fp32 and bf16-mixed. P
   backward, optimizer step) alive at once, counted
   by a ``TorchDispatchMode`` that adds each new storage an op returns and a ``weakref.finalize`` on the storage that
   subtracts it when freed (storages made before the step, the persistent ones, are not counted here); on CPU there
-  is no allocator peak to read, and this counts tensors, not the allocator's cache.
+  is no allocator peak to read, and this counts tensors, not the allocator's cache;
+* two parts of that step, each measured on its own (see :class:`Measure`): the gathered parameters of the largest
+  block and of the root unit, and the activations saved for backward (and how much of them stays float32), so
+  that fp32 and bf16-mixed can be set side by side part by part.
 
 Writes ``docs/bench/memory.json`` and ``docs/bench/memory.png`` (log-log, with the 1/N line; needs matplotlib).
 """
@@ -78,18 +81,88 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+def _local_nbytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
 class Measure(L.Callback):
+    """The step's peak (:class:`LiveBytes`), and two of its parts measured on their own:
+
+    * gathered: the bytes of one FSDP unit's parameters as its forward sees them (all-gathered, in FSDP's compute
+      dtype), read by a forward pre-hook that runs after FSDP's own; the largest block and the root unit;
+    * saved: the activations autograd keeps for backward in one step (``saved_tensors_hooks``; each storage once,
+      gathered parameters left out: they are the first part).
+    """
+
     def __init__(self) -> None:
         self.mode: LiveBytes | None = None
         self.peaks: list[int] = []
+        self.gathered: dict[str, int] = {}
+        self.saved: list[int] = []
+        self.saved_fp32: list[int] = []  # the part of it kept in float32
+        self._gathered: dict[int, torch.Tensor] = {}  # the unsharded parameters FSDP's forward hands the blocks
+        self._saved_keys: set[int] = set()
+        self._hooks: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
+        nested = {n for n, _ in units}
+        for name, unit in units:
+            own = [pn for pn, _ in unit.named_parameters()
+                   if not any(f"{name}.{pn}".startswith(f"{o}.") for o in nested if o != name and o.startswith(name))]  # fmt: skip
+            kind = "block" if name.rsplit(".", 1)[-1].isdigit() else "root"
+            unit.register_forward_pre_hook(self._gathered_hook(kind, own))
+
+    def _gathered_hook(self, kind: str, names: list[str]):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            params = [module.get_parameter(n) for n in names]
+            self._gathered.update((id(p), p) for p in params)
+            self.gathered[kind] = max(self.gathered.get(kind, 0), sum(_local_nbytes(p) for p in params))
+
+        return hook
+
+    def _live_param_storages(self) -> set[int]:
+        """Storages of the gathered parameters now (FSDP frees them after use: an address alone may be reused)."""
+        keys = set()
+        for p in self._gathered.values():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            storage = local.untyped_storage()
+            if storage.nbytes():
+                keys.add(storage.data_ptr())
+        return keys
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        inner = t.to_local() if isinstance(t, DTensor) else t
+        if inner.device.type == "meta":
+            return t
+        try:
+            key, nbytes = inner.untyped_storage().data_ptr(), inner.untyped_storage().nbytes()
+        except RuntimeError:  # a wrapper without a storage of its own (a collective's pending result): its size
+            key, nbytes = id(inner), inner.numel() * inner.element_size()
+        if key in self._saved_keys or key in self._live_param_storages():
+            return t
+        self._saved_keys.add(key)
+        self.saved[-1] += nbytes
+        if inner.dtype == torch.float32:
+            self.saved_fp32[-1] += nbytes
+        return t
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._saved_keys = set()
+        self.saved.append(0)
+        self.saved_fp32.append(0)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
         self.mode = LiveBytes()
         self.mode.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         assert self.mode is not None
         self.mode.__exit__(None, None, None)
+        self._hooks.__exit__(None, None, None)
         self.peaks.append(self.mode.peak)
 
 
@@ -118,7 +191,9 @@ def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str
     module = CausalLM(model=CFG, warmup_steps=1, max_steps=STEPS)
     trainer.fit(module, DataLoader(tokens, batch_size=BATCH))
     return {"layout": label, "precision": precision, "world": world, "peak": max(measure.peaks[1:]),
-            "persistent": persistent_bytes(module, trainer.optimizers[0])}  # fmt: skip
+            "persistent": persistent_bytes(module, trainer.optimizers[0]), "saved": max(measure.saved[1:]),
+            "saved_fp32": max(measure.saved_fp32[1:]),
+            "gathered_block": measure.gathered.get("block", 0), "gathered_root": measure.gathered.get("root", 0)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -131,11 +206,33 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_gather_object(per_rank, one)
         else:
             per_rank = [one]
-        results.append({**one, "peak": max(r["peak"] for r in per_rank),
-                        "persistent": max(r["persistent"] for r in per_rank),
+        results.append({**one, **{k: max(r[k] for r in per_rank) for k in ("peak", "persistent", "saved", "saved_fp32",
+                                                                           "gathered_block", "gathered_root")},
                         "total": max(r["peak"] + r["persistent"] for r in per_rank)})  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.part).write_text(json.dumps(results))
+
+
+def parts_table(results: list[dict[str, Any]]) -> str:
+    """fp32 against bf16-mixed, part by part, for each layout and N measured in both."""
+    mib = 2**20
+    lines = [f"{'layout':<20}{'N':>3}  {'part (MiB per rank)':<34}{'32-true':>9}{'bf16-mixed':>12}{'ratio':>7}"]
+    parts = [("persistent (params, grads, AdamW)", lambda r: r["persistent"]),
+             ("gathered parameters, largest block", lambda r: r["gathered_block"]),
+             ("gathered parameters, root unit", lambda r: r["gathered_root"]),
+             ("saved activations", lambda r: r["saved"]),
+             ("  of which kept in float32", lambda r: r["saved_fp32"]),
+             ("step peak (live tensors)", lambda r: r["peak"])]  # fmt: skip
+    both = {(r["layout"], r["world"], r["precision"]): r for r in results}
+    for (label, world, precision), fp32 in sorted(both.items()):
+        bf16 = both.get((label, world, "bf16-mixed"))
+        if precision != "32-true" or bf16 is None:
+            continue
+        for name, get in parts:
+            a, b = get(fp32), get(bf16)
+            lines.append(f"{label:<20}{world:>3}  {name:<34}{a / mib:>9.2f}{b / mib:>12.2f}"
+                         f"{(b / a if a else float('nan')):>7.2f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -205,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results = launch_per_world(__file__, "memory", args.world or sorted(LAYOUTS), [])
     print(table(results))
+    print(parts_table(results))
     write_results(args.out, {"batch": BATCH, "seq": SEQ, "steps": STEPS}, results)
     if not args.world:
         plot(results, Path(args.out).with_suffix(".png"))
