@@ -38,7 +38,9 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-shaped decoder's sizes."""
+    """A Llama-shaped decoder's sizes (Llama, Mistral, Qwen2 and Qwen3 included: a query width other than ``dim``
+    through ``head_dim``, Qwen2's q/k/v biases, Qwen3's per-head q/k norms). Parameters and FLOPs follow the query
+    width; the activation count takes query-sized tensors as ``dim``-sized (exact when heads x head_dim = dim)."""
 
     layers: int
     dim: int
@@ -47,33 +49,88 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool = False
+    head_dim: int = 0  # 0: dim // heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def of(cls, model: str | object) -> Shape:
-        """From a named size of :data:`cuboid.models.CONFIGS` (``"8b"``, ``"70b"``, ``"405b"``) or a LlamaConfig."""
+        """From a named size of :data:`cuboid.models.CONFIGS` (``"8b"``, ``"70b"``, ``"405b"``), a Hugging Face
+        ``config.json`` (its path, or the directory holding it), or a LlamaConfig."""
         if isinstance(model, str):
             if model == "405b":  # Llama 3.1 405B (its model card; too large for CONFIGS' tests)
                 return cls(126, 16384, 128, 8, 53248, 128256)
             from cuboid.models import CONFIGS
 
+            if model.endswith(".json") or "/" in model:
+                return cls.from_hf_config(model)
             if model not in CONFIGS:
-                raise ValueError(f"model={model!r}: choose one of {sorted([*CONFIGS, '405b'])}.")
+                raise ValueError(
+                    f"model={model!r}: choose one of {sorted([*CONFIGS, '405b'])}, or give the path of a Hugging "
+                    "Face config.json (or its directory)."
+                )
             model = CONFIGS[model]
         c = model
         return cls(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.tie_embeddings)
 
+    @classmethod
+    def from_hf_config(cls, path: str) -> Shape:
+        """From a Hugging Face ``config.json`` of a dense Llama-family decoder (read with transformers' own
+        ``AutoConfig``, so its defaults apply); mixture-of-experts and other architectures are refused by name."""
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        where = Path(path)
+        folder = where.parent if where.name.endswith(".json") else where
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"model={path!r}: no config.json there (give a Hugging Face config.json or its directory)."
+            )
+        c = AutoConfig.from_pretrained(str(folder))
+        kind = getattr(c, "model_type", "?")
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+        if experts or kind not in ("llama", "mistral", "qwen2", "qwen3"):
+            what = f"a mixture-of-experts model ({experts} experts)" if experts else f"model_type {kind!r}"
+            raise ValueError(
+                f"model={path!r} is {what}: the planner models dense Llama-family decoders (llama, mistral, qwen2, "
+                "qwen3). Setup still checks any model's parameter bytes against the GPU (cuboid.fit)."
+            )
+        heads = c.num_attention_heads
+        return cls(
+            layers=c.num_hidden_layers,
+            dim=c.hidden_size,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            ffn=c.intermediate_size,
+            vocab=c.vocab_size,
+            tied=bool(getattr(c, "tie_word_embeddings", False)),
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            qkv_bias=kind == "qwen2" or bool(getattr(c, "attention_bias", False)),
+            qk_norm=kind == "qwen3",
+        )
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.hd * self.heads
+
     @property
     def kv_dim(self) -> int:
-        return self.dim // self.heads * self.kv_heads
+        return self.hd * self.kv_heads
 
     @property
     def block_tp(self) -> int:
-        """Parameters of a block that tensor parallelism shards (the projections)."""
-        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn
+        """Parameters of a block that tensor parallelism shards (the projections, and q/k/v biases if any)."""
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn + bias
 
     @property
     def block_norms(self) -> int:
-        return 2 * self.dim
+        return 2 * self.dim + (2 * self.hd if self.qk_norm else 0)
 
     @property
     def params(self) -> int:
@@ -84,7 +141,7 @@ class Shape:
         """Training FLOPs per token: 6 x matmul parameters (the embedding lookup excluded) + 12 x layers x dim x
         seq (attention), as ANCHORS.md."""
         matmul = self.params - (0 if self.tied else self.vocab * self.dim)
-        return 6 * matmul + 12 * self.layers * self.dim * seq
+        return 6 * matmul + 12 * self.layers * self.q_dim * seq
 
 
 @dataclass(frozen=True)
@@ -312,7 +369,7 @@ def recompute_flops_per_token(shape: Shape, s: Setup) -> float:
     attention); torchtitan's op-level selective, every second block matmul; Cuboid's selective, none."""
     block_forward = 2 * shape.block_tp * shape.layers
     if s.ac == "full":
-        return block_forward + 4 * shape.layers * shape.dim * s.seq
+        return block_forward + 4 * shape.layers * shape.q_dim * s.seq
     if s.ac == "selective_op":
         return block_forward / 2
     return 0.0

@@ -3,6 +3,7 @@ per-GPU memory and step time (:mod:`cuboid.estimate`), what does not fit, and a 
 
     python -m cuboid.layout model=8b nodes=4 gpus_per_node=8 gpu=h100
     python -m cuboid.layout model=70b nodes=1 gpus_per_node=8 gpu=h100 seq=4096
+    python -m cuboid.layout model=path/to/config.json nodes=1 gpus_per_node=8 gpu=h100   # a Hugging Face decoder
 
 or ``cuboid.planner.plan(...)``. Tensor parallel stays within a node (it must divide the GPUs per node and the
 heads); pipeline stages divide the world. For each layout it tries activation checkpointing none / selective /

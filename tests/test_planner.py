@@ -79,3 +79,42 @@ def test_command_line_prints_layouts_what_fits_and_a_recommendation() -> None:
     bad = subprocess.run([sys.executable, "-m", "cuboid.layout", "modle=8b"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert bad.returncode != 0 and "unknown argument 'modle=8b'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("llama", {"num_key_value_heads": 8}), ("mistral", {"num_key_value_heads": 8}),
+     ("qwen2", {"num_key_value_heads": 2}), ("qwen3", {"num_key_value_heads": 4, "head_dim": 128})],
+)  # fmt: skip
+def test_planner_reads_a_hugging_face_config_and_counts_its_parameters(family, extra, tmp_path) -> None:
+    """``model=`` a config.json of code nobody here wrote: the planner's parameter count equals transformers' own
+    model built from it (on meta), whose query width (Qwen3: heads x head_dim = 2 x hidden), q/k/v biases (Qwen2)
+    and q/k norms (Qwen3) differ from the reference Llama's."""
+    import torch
+    import transformers
+
+    from cuboid.estimate import Shape
+    from cuboid.planner import plan
+
+    config = transformers.AutoConfig.for_model(family, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                               num_attention_heads=16, vocab_size=4096, **extra)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+    shape = Shape.of(str(tmp_path / "config.json"))
+    assert shape.params == real, (family, shape.params, real)
+    assert Shape.of(str(tmp_path)) == shape
+    assert plan(str(tmp_path), nodes=1, gpus_per_node=2, gpu="h100", seq=1024)  # the planner runs on it
+
+
+def test_planner_refuses_a_mixture_of_experts_config_by_name(tmp_path) -> None:
+    import transformers
+
+    from cuboid.estimate import Shape
+
+    transformers.AutoConfig.for_model("mixtral", num_local_experts=8).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"is a mixture-of-experts model \(8 experts\): the planner models dense"):
+        Shape.of(str(tmp_path))
+    with pytest.raises(ValueError, match="no config.json there"):
+        Shape.of(str(tmp_path / "missing"))
