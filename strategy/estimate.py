@@ -79,8 +79,11 @@ class Shape:
         ``AutoConfig``, so its defaults apply); mixture-of-experts and other architectures are refused by name."""
         from pathlib import Path
 
-        from transformers import AutoConfig
-
+        try:
+            from transformers import AutoConfig
+        except ImportError as err:
+            raise ValueError(f"model={path!r}: reading a Hugging Face config needs transformers (pip install "
+                             "transformers).") from err  # fmt: skip
         where = Path(path)
         folder = where.parent if where.name.endswith(".json") else where
         if not (folder / "config.json").is_file():
