@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # --- lightning -----------------------------------------------------------------------------------------------
 # isort: off
@@ -213,13 +214,7 @@ def flight_recorder_dump() -> bytes:
     return _distributed_c10d._dump_fr_trace(True, True, False)
 
 
-def _dispatch_mode_base() -> type:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
-class PointToPointCounter(_dispatch_mode_base()):  # type: ignore[misc]
+class PointToPointCounter(TorchDispatchMode):
     """Counts the ``c10d`` send and recv ops issued while it is entered (``with counter:``), and their tensors'
     bytes. ``TorchDispatchMode`` (torch.utils._python_dispatch) has no public twin; the ledger uses this on gloo,
     whose send/recv torch 2.13's flight recorder leaves out. Pinned end to end by tests/test_ledger.py (pp2 on

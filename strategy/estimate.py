@@ -201,7 +201,9 @@ class Setup:
 
     @property
     def m(self) -> int:
-        return self.microbatches or (2 * self.pp * self.virtual_stages if self.pp > 1 else 1)
+        from cuboid.pipeline import default_microbatches
+
+        return self.microbatches or default_microbatches(self.pp, self.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -242,10 +244,10 @@ def stage_blocks(shape: Shape, stages: int) -> list[int]:
 
 
 def rank_stages(s: Setup) -> list[list[int]]:
-    """The stages each pp rank runs (Cuboid's assignment: looped, or V-shaped for ZBVZeroBubble)."""
-    if s.schedule == "ZBVZeroBubble":
-        return [[r, 2 * s.pp - 1 - r] for r in range(s.pp)]
-    return [[r + i * s.pp for i in range(s.virtual_stages)] for r in range(s.pp)]
+    """The stages each pp rank runs (Cuboid's own assignment, :func:`cuboid.pipeline.stage_ids`)."""
+    from cuboid.pipeline import stage_ids
+
+    return [stage_ids(r, s.pp, s.virtual_stages, s.schedule) for r in range(s.pp)]
 
 
 def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:

@@ -35,8 +35,9 @@ from typing import Any
 import torch.distributed as dist
 
 from cuboid import compat
+from cuboid.mesh import dim_groups
+from cuboid.watchdog import mark_job
 
-_POSTED = "cuboid/hang/"
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "DistTimeoutError")
 
 
@@ -58,11 +59,7 @@ def known_groups(mesh: Any, names: list[str], others: dict[str, Any]) -> dict[st
     dimension they share a group with) and ``others`` (label -> group: Cuboid's host group, the world)."""
     dims: dict[str, list[str]] = {}
     found: dict[str, tuple[str, Any]] = {}
-    for name in names:
-        try:
-            group = mesh[name].get_group()
-        except (KeyError, RuntimeError, ValueError):
-            continue
+    for name, group in dim_groups(mesh, names):
         dims.setdefault(group.group_name, []).append(name)
         label = " / ".join(repr(n) for n in dims[group.group_name])
         found[group.group_name] = (f"mesh dimension {label}", group)
@@ -83,7 +80,7 @@ def is_timeout(exception: BaseException) -> bool:
     return isinstance(exception, getattr(dist, "DistTimeoutError", ())) or any(w in text for w in _TIMEOUT_WORDS)
 
 
-MARK = "a collective timed out"  # the start of the store's "cuboid/dead" value when a hang is being reported
+MARK = "a collective timed out"  # the start of the job's mark (cuboid.watchdog.mark_job) when a hang is reported
 _STATUS, _DONE = "cuboid/hang/status/", "cuboid/hang/done/"
 
 
@@ -171,13 +168,8 @@ class HangReport:
         return " ".join(lines)
 
     def _mark(self) -> None:
-        if self.store is None:
-            return
-        try:
-            if not self.store.check(["cuboid/dead"]):
-                self.store.set("cuboid/dead", f"{MARK} (first reported by rank {self.rank})")
-        except Exception:  # noqa: BLE001  (the store may be gone)
-            pass
+        if self.store is not None:
+            mark_job(self.store, f"{MARK} (first reported by rank {self.rank})")
 
     def _exchange(self, wait: float) -> dict[int, dict[str, Any]]:
         if self.store is None:
@@ -188,15 +180,12 @@ class HangReport:
             world = dist.get_world_size()
             deadline = time.monotonic() + wait
             while True:
-                posted = {r: self._read(f"{_STATUS}{r}") for r in range(world)}
+                posted = {r: _get(self.store, f"{_STATUS}{r}") for r in range(world)}
                 if all(v is not None for v in posted.values()) or time.monotonic() > deadline:
                     return {r: json.loads(v) for r, v in posted.items() if v is not None}
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001
             return {}
-
-    def _read(self, key: str) -> str | None:
-        return self.store.get(key).decode() if self.store.check([key]) else None
 
     def _stuck(self, entries: list[dict], statuses: dict[int, dict]) -> tuple[dict, dict[int, tuple[int, Any]]]:
         """The first collective of this rank's that a member of its group never issued, and those members
@@ -237,12 +226,17 @@ def _key_and_seq(entry: dict[str, Any]) -> tuple[str, int]:
     return name, int(entry.get("collective_seq_id") or 0)
 
 
+def _get(store: Any, key: str) -> str | None:
+    """A store key's value, or None while no rank has set it."""
+    return store.get(key).decode() if store.check([key]) else None
+
+
 def _linger(store: Any, world: int, wait: float) -> None:
     """Rank 0 hosts the store: keep it up until every rank posted its status and every reporter is done."""
     deadline = time.monotonic() + wait + 1
     while time.monotonic() < deadline:
         try:
-            statuses = [store.get(f"{_STATUS}{r}") if store.check([f"{_STATUS}{r}"]) else None for r in range(world)]
+            statuses = [_get(store, f"{_STATUS}{r}") for r in range(world)]
             reporters = [r for r, v in enumerate(statuses) if v is not None and json.loads(v)["reporter"]]
             if all(v is not None for v in statuses) and all(store.check([f"{_DONE}{r}"]) for r in reporters):
                 return

@@ -173,6 +173,13 @@ def check_external_launch(env: ClusterEnvironment, num_nodes: int, devices: int)
         )
 
 
+def slurm_job_id() -> str | None:
+    """This SLURM job's id as ``scontrol`` takes it (an array task's ``<array job>_<task>``), or None outside SLURM."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
 def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
     """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment

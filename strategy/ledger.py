@@ -19,12 +19,14 @@ in the step: a CPU debugging aid; on NCCL the recorder has them).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
 import lightning as L
 
 from cuboid import compat
+from cuboid.mesh import dim_groups
 
 DTYPE_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}  # fmt: skip
@@ -46,10 +48,7 @@ def entry_bytes(entry: dict[str, Any], kind: str, group_size: int) -> int:
     shape), any other collective's input."""
     total = 0
     for size, dtype in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False):
-        n = 1
-        for d in size:
-            n *= d
-        total += n * DTYPE_BYTES.get(dtype, 4)
+        total += math.prod(size) * DTYPE_BYTES.get(dtype, 4)
     return total * group_size if kind == "all_gather" else total
 
 
@@ -58,13 +57,9 @@ def mesh_groups(mesh: Any) -> dict[str, tuple[str, int]]:
     dp_shard, tp, then the flattened dp) of size > 1 that uses it. A dimension as large as the world shares the
     default group."""
     found: dict[str, tuple[str, int]] = {}
-    for dim in ("pp", "dp_replicate", "dp_shard", "tp", "dp"):
-        try:
-            sub = mesh[dim]
-        except (KeyError, RuntimeError, ValueError):
-            continue
-        if sub.size() > 1:
-            found.setdefault(sub.get_group().group_name, (dim, sub.size()))
+    for dim, group in dim_groups(mesh, ("pp", "dp_replicate", "dp_shard", "tp", "dp")):
+        if group.size() > 1:
+            found.setdefault(group.group_name, (dim, group.size()))
     return found
 
 

@@ -8,8 +8,9 @@ innermost, so tensor-parallel peers are neighbouring ranks (the fastest links).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -116,3 +117,15 @@ def check_reshard_after_forward(value: bool | int, dp_shard: int | str) -> None:
             f"reshard_after_forward={value!r} must be True, False or a divisor of data_parallel_shard={dp_shard} "
             f"strictly between 1 and {dp_shard} (e.g. the number of GPUs per node)."
         )
+
+
+def dim_groups(mesh: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
+    """(name, its process group) for each of ``names`` the mesh answers to (dims and flattened views), in order;
+    names it does not know are left out."""
+    found = []
+    for name in names:
+        try:
+            found.append((name, mesh[name].get_group()))
+        except (KeyError, RuntimeError, ValueError):
+            continue
+    return found

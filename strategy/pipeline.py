@@ -42,6 +42,11 @@ class PipelineError(ValueError):
     """A model, batch or schedule that cannot be pipelined as asked; the message says what to change."""
 
 
+def default_microbatches(pp: int, virtual_stages: int) -> int:
+    """Micro-batches per step when none are given: two per stage (``2 x pp x virtual_stages``), 1 without pp."""
+    return 2 * pp * virtual_stages if pp > 1 else 1
+
+
 def check_schedule(name: str, pp: int, microbatches: int, virtual: int) -> None:
     if name not in SCHEDULES:
         raise PipelineError(f"pipeline_schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}.")

@@ -44,7 +44,7 @@ class Pipelining:
         if virtual_stages is None:
             virtual_stages = 2 if schedule in pipeline.MULTI_STAGE else 1
         if microbatches is None:
-            microbatches = 2 * pp * virtual_stages if pp > 1 else 1
+            microbatches = pipeline.default_microbatches(pp, virtual_stages)
         if pp > 1:
             pipeline.check_schedule(schedule, pp, microbatches, virtual_stages)
         zero_bubble = pp > 1 and schedule in pipeline.ZERO_BUBBLE

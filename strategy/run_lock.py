@@ -25,6 +25,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from cuboid.launch import slurm_job_id
+
 LOCK_NAME = ".cuboid-run.lock"
 
 
@@ -34,10 +36,9 @@ class RunDirectoryBusy(RuntimeError):
 
 def job_id() -> str | None:
     """This job's identity across restarts: SLURM's job id (array-aware), else TorchElastic's run id."""
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"slurm:{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    slurm = slurm_job_id()
+    if slurm:
+        return f"slurm:{slurm}"
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     return f"torchelastic:{run}" if run and run != "none" else None
 

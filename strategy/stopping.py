@@ -24,7 +24,6 @@ a MAX all-reduce of one host integer over a gloo group tells every rank what any
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -39,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid import compat
 from cuboid.checkpoint import CheckpointError
+from cuboid.launch import slurm_job_id
 
 STOP, PREEMPT, SAVE_FAILED = 1, 2, 3
 
@@ -149,9 +149,7 @@ class StopAgreement(L.Callback):
 
 def requeue(is_rank0: bool) -> bool:
     """On rank 0 under SLURM, ``scontrol requeue`` this job (array task included). Returns whether it was asked."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    job = slurm_job_id()
     if not is_rank0 or not job or shutil.which("scontrol") is None:
         if is_rank0:
             rank_zero_info("Cuboid: not under SLURM with scontrol: start the same command again to resume.")

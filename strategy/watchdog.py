@@ -25,6 +25,16 @@ EXIT_CODE = 3
 _BEAT, _DEAD, _STOPPED = "cuboid/heartbeat/", "cuboid/dead", b"stopped"
 
 
+def mark_job(store: Any, what: str) -> None:
+    """Mark the job as failing with ``what`` unless it is marked already: every rank's watchdog reads it at its
+    next beat and stops its rank (the hang report's mark, cuboid.hangs). The store may be gone: then nothing."""
+    try:
+        if not store.check([_DEAD]):
+            store.set(_DEAD, what)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class PeerWatchdog:
     def __init__(self, store: Any, rank: int, world_size: int, timeout: float = 6.0, interval: float = 1.0) -> None:
         self.store, self.rank, self.world = store, rank, world_size
