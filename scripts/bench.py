@@ -236,6 +236,17 @@ def relaunch_cmd(script: str, nprocs: int, argv: list[str]) -> list[str]:
     ]
 
 
+def per_world_parser(doc: str, worlds: str, out: str) -> argparse.ArgumentParser:
+    """The options the per-world suites share: ``--world`` (repeatable; ``worlds`` says which), ``--out``, and the
+    hidden ``--worker`` / ``--part`` that :func:`launch_per_world` gives the processes it starts."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, action="append", default=None, help=f"{worlds} (repeatable)")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
 def launch_per_world(script: str, suite: str, worlds: list[int], forwarded: list[str]) -> list[Any]:
     """For each world size, run ``script --worker FORWARDED --part FILE`` under torchrun and collect the list its
     rank 0 wrote to FILE (the suites that run 2-, 4- and 8-process layouts)."""
@@ -271,7 +282,7 @@ def main() -> None:
             return
         if suite != "fsdp_tp":
             sys.exit(
-                f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline, checkpoint, overhead or comm"
+                f"bench: unknown --suite {suite!r}; choose fsdp_tp (default), pipeline, checkpoint, overhead, comm or memory"
             )
         sys.argv = rest
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from bench import launch_per_world, per_world_parser, write_results
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
@@ -105,19 +105,12 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, action="append", default=None, help="2, 4 or 8 (repeatable)")
+    parser = per_world_parser(__doc__, "2, 4 or 8", "docs/bench/comm.json")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default="docs/bench/comm.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench import launch_per_world, write_results
-
     results = launch_per_world(__file__, "comm", args.world or sorted(LAYOUTS), ["--steps", str(args.steps)])
     print(table(results))
     write_results(args.out, {"steps": args.steps}, results)

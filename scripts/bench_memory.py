@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -33,12 +32,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from bench import launch_per_world, per_world_parser, write_results
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
+from cuboid.fit import held_bytes, local_nbytes
 from cuboid.models import CausalLM, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
@@ -81,11 +82,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _local_nbytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
 class Measure(L.Callback):
     """The step's peak (:class:`LiveBytes`), and two of its parts measured on their own:
 
@@ -120,7 +116,7 @@ class Measure(L.Callback):
         def hook(module: torch.nn.Module, args: Any) -> None:
             params = [module.get_parameter(n) for n in names]
             self._gathered.update((id(p), p) for p in params)
-            self.gathered[kind] = max(self.gathered.get(kind, 0), sum(_local_nbytes(p) for p in params))
+            self.gathered[kind] = max(self.gathered.get(kind, 0), sum(local_nbytes(p) for p in params))
 
         return hook
 
@@ -167,14 +163,8 @@ class Measure(L.Callback):
 
 
 def persistent_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    def nbytes(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    params = sum(nbytes(p) for p in module.parameters())
-    grads = sum(nbytes(p.grad) for p in module.parameters() if p.grad is not None)
-    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    return params + max(grads, params) + state  # gradients may be freed after the step: count them as held
+    held = held_bytes(module, optimizer)
+    return held["params"] + max(held["grads"], held["params"]) + held["optim"]  # freed gradients counted as held
 
 
 def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str, Any]:
@@ -288,18 +278,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, action="append", default=None, help="1, 2, 4 or 8 (repeatable)")
-    parser.add_argument("--out", default="docs/bench/memory.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = per_world_parser(__doc__, "1, 2, 4 or 8", "docs/bench/memory.json").parse_args(argv)
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench import launch_per_world, write_results
-
     results = launch_per_world(__file__, "memory", args.world or sorted(LAYOUTS), [])
     print(table(results))
     print(parts_table(results))

@@ -28,6 +28,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from bench import launch_per_world, per_world_parser, write_results
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.data import DataLoader
 
@@ -277,22 +278,15 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, action="append", default=None, help="2, 4 or 8 (repeatable)")
+    parser = per_world_parser(__doc__, "2, 4 or 8", "docs/bench/overhead.json")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=4)
-    parser.add_argument("--out", default="docs/bench/overhead.json")
     parser.add_argument("--sites", action="store_true", help="also record where each sync and collective came from")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench import launch_per_world, write_results
-
     forwarded = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
     forwarded += ["--sites"] if args.sites else []
     results = launch_per_world(__file__, "overhead", args.world or sorted(LAYOUTS), forwarded)

@@ -40,7 +40,6 @@ class Estimate:
 
     per_pp_rank: list[int]
     unsharded_per_pp_rank: list[int]  # the same stages before FSDP (tp still applied): what one dp rank would hold
-    dp_shard: int
 
     def rank_bytes(self, pp_rank: int) -> int:
         return self.per_pp_rank[pp_rank]
@@ -131,7 +130,7 @@ def estimate(
             whole = id(param) in direct or (owned is not None and not staged)  # left outside every FSDP unit
             per[rank] += size * _local_elements(param, split, 1 if whole else layout.dp_shard)
             unsharded[rank] += size * _local_elements(param, split, 1)
-    return Estimate(per, unsharded, layout.dp_shard)
+    return Estimate(per, unsharded)
 
 
 def refuse_if_too_big(est: Estimate, layout: Layout, capacity: float, auto: bool) -> None:
@@ -169,18 +168,29 @@ def _moments(optimizer: object) -> int:
     return 2
 
 
+def local_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``tensor`` (a DTensor's local shard, else the tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    t = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return t.numel() * t.element_size()
+
+
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds, measured: its parameter shards, their gradients (those that exist now) and the
+    optimizer's tensor state (step counters left out), in bytes."""
+    params = sum(local_nbytes(p) for p in module.parameters())
+    grads = sum(local_nbytes(p.grad) for p in module.parameters() if p.grad is not None)
+    state = sum(local_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    return {"params": params, "grads": grads, "optim": state}
+
+
 def check_fits(module: nn.Module, optimizers: list, capacity: float, what: str) -> float:
     """Refuse a layout whose persistent bytes on this rank (its parameter shards, as many gradients, and the
     optimizers' full-size states) exceed ``capacity`` (the device's memory) before the first step, with the
     numbers and the ways out; returns those bytes. Activations come on top and depend on the batch: see
     ``python -m cuboid.layout``."""
-    from torch.distributed.tensor import DTensor
-
-    def local(p: torch.Tensor) -> int:
-        t = p.to_local() if isinstance(p, DTensor) else p
-        return t.numel() * t.element_size()
-
-    params = sum(local(p) for p in module.parameters())
+    params = sum(local_nbytes(p) for p in module.parameters())
     moments = max((_moments(o) for o in optimizers), default=0)
     persistent = params * (2 + moments)
     if persistent > capacity:

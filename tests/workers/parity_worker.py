@@ -25,17 +25,7 @@ import third_party  # noqa: E402
 from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
-
-
-def local_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    def nbytes(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    params = sum(nbytes(p) for p in module.parameters())
-    grads = sum(nbytes(p.grad) for p in module.parameters() if p.grad is not None)
-    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    return {"params": params, "grads": grads, "optim": state}
+from cuboid.fit import held_bytes  # noqa: E402
 
 
 class Facts(L.Callback):
@@ -67,7 +57,7 @@ class Facts(L.Callback):
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
         # After the first optimizer step: sharded parameters, gradients and AdamW state all exist.
         if not self.bytes and trainer.global_step == 1:
-            self.bytes = local_bytes(pl_module, trainer.optimizers[0])
+            self.bytes = held_bytes(pl_module, trainer.optimizers[0])
             estimate = trainer.strategy.fit_estimate  # made before sharding, from the unsharded module
             if estimate is not None:
                 self.estimated_params = estimate.rank_bytes(trainer.strategy.device_mesh["pp"].get_local_rank())
