@@ -161,14 +161,23 @@ class CommLedger(L.Callback):
                 self._p2p = compat.PointToPointCounter()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._p2p is not None:
+        if self._p2p is not None and not self._p2p_active:  # still active if the last batch end never came
             self._p2p.__enter__()
             self._p2p_active = True
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._exit_p2p()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._exit_p2p()
+
+    def _exit_p2p(self) -> None:
         if self._p2p is not None and self._p2p_active:
             self._p2p.__exit__(None, None, None)
             self._p2p_active = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._exit_p2p()
         if compat.should_accumulate(trainer):
             return
         entries = [e for e in compat.flight_recorder_entries() if e["record_id"] > self._last]

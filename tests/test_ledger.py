@@ -79,3 +79,18 @@ def test_debug_preset_logs_the_ledger_to_wandb(tmp_path: Path) -> None:
     rows = [r for r in history(records) if "comm/dp_shard/all_gather_MB" in r]
     assert [r["trainer/global_step"] for r in rows] == [2, 4], rows
     assert all(r["comm/dp_shard/all_gather_MB"] > 0 and r["comm/dp_shard/all_gather_count"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_send_recv_counter_survives_a_batch_without_its_end(tmp_path: Path) -> None:
+    """A LightningModule whose on_train_batch_start returns -1 ends the epoch without on_train_batch_end: the ledger's
+    gloo send/recv counter (a dispatch mode) must not stay entered, nor nest again at the next batch. Before the
+    fix: one mode left entered after fit, and every step of the next epoch counted twice (16 instead of 8)."""
+    from harness import WORKERS, torchrun
+
+    out = tmp_path / "ledger.json"
+    torchrun(2, WORKERS / "ledger_worker.py", str(out))
+    got = json.loads(out.read_text())
+    assert got["modes_left"] == 0, got
+    first, *rest = got["send_recv_counts"]  # the first step also carries the pipeline's one-time shape inference
+    assert first > 8 and rest == [8, 8, 8], got
