@@ -88,7 +88,7 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 # Tensor-parallel plan as plain data: module-name glob (relative to the Llama module) -> style.
-# Cuboid turns the styles into DTensor parallel styles (cuboid.plans).
+# Cuboid turns the styles into DTensor parallel styles (cuboid.parallel.plans).
 # Sequence parallel between the blocks' projections (norms and residuals on sequence-sharded activations) and
 # loss parallel at the output (logits stay vocabulary-sharded), as torchtitan's Llama plan.
 TP_PLAN: dict[str, str] = {

@@ -38,12 +38,12 @@ install() {
 }
 
 check install 240 install
-check "throughput $MODEL eager" 120 $PY scripts/bench_gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --out "$OUT"
-check "throughput $MODEL compile" 180 $PY scripts/bench_gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --compile --out "$OUT"
-check "throughput $MODEL compile+selective AC" 180 $PY scripts/bench_gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --compile --ac selective --out "$OUT"
-check "resume 150m sync save" 90 $PY scripts/bench_gpu.py resume --model 150m --seq 1024 --out "$OUT"
-check "resume 150m async save" 90 $PY scripts/bench_gpu.py resume --model 150m --seq 1024 --async-save --out "$OUT"
-check "cpu_offload 150m meta init + clipping" 90 $PY scripts/bench_gpu.py offload --model 150m --seq 1024 --steps 8 --out "$OUT"
+check "throughput $MODEL eager" 120 $PY scripts/bench/gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --out "$OUT"
+check "throughput $MODEL compile" 180 $PY scripts/bench/gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --compile --out "$OUT"
+check "throughput $MODEL compile+selective AC" 180 $PY scripts/bench/gpu.py throughput --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --compile --ac selective --out "$OUT"
+check "resume 150m sync save" 90 $PY scripts/bench/gpu.py resume --model 150m --seq 1024 --out "$OUT"
+check "resume 150m async save" 90 $PY scripts/bench/gpu.py resume --model 150m --seq 1024 --async-save --out "$OUT"
+check "cpu_offload 150m meta init + clipping" 90 $PY scripts/bench/gpu.py offload --model 150m --seq 1024 --steps 8 --out "$OUT"
 
 echo
 echo "=== summary ($(( $(date +%s) - START )) s in all; figures in $OUT)"

@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import cuboid  # noqa: F401  (registers strategy="cuboid")
 from cuboid import CuboidStrategy, latest_checkpoint
-from cuboid.ledger import CommLedger
-from cuboid.monitor import CuboidMonitor
+from cuboid.callbacks import CuboidMonitor
+from cuboid.planning.ledger import CommLedger
 
 
 class LossHistory(L.Callback):

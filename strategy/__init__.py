@@ -1,19 +1,40 @@
 """Cuboid: a PyTorch Lightning strategy for pp x dp x tp training on one device mesh.
 
-``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers
-``Trainer(strategy="cuboid")``.
+``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")``.
+
+The package's face: the names users import. Behind it, the wings (``cuboid.parallel``, ``cuboid.pipeline``,
+``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``) each name their own public API;
+``docs/architecture.md`` draws the house.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from cuboid.checkpoint_glue import latest_checkpoint
-from cuboid.mesh import Layout, LayoutError
-from cuboid.plans import PlanError
-from cuboid.precision import CuboidPrecision
+from cuboid.callbacks import CommLedger, CuboidMonitor
+from cuboid.checkpoint import CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
+from cuboid.job import RunDirectoryBusy, UnevenBatchesError
+from cuboid.parallel import Layout, LayoutError, PlanError
+from cuboid.pipeline import PipelineError
+from cuboid.step import CuboidPrecision, NonFiniteError
 from cuboid.strategy import CuboidStrategy
 
 if CuboidStrategy.strategy_name not in StrategyRegistry:
     CuboidStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CuboidPrecision", "CuboidStrategy", "Layout", "LayoutError", "PlanError", "latest_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CommLedger",
+    "CuboidMonitor",
+    "CuboidPrecision",
+    "CuboidStrategy",
+    "Layout",
+    "LayoutError",
+    "NonFiniteError",
+    "PipelineError",
+    "PlanError",
+    "PretrainedError",
+    "RunDirectoryBusy",
+    "UnevenBatchesError",
+    "latest_checkpoint",
+    "read_model_weights",
+]
 __version__ = "0.1.0"

@@ -22,6 +22,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             terminalreporter.write_line(f"{name:50s} {worst:20.2%} {measured:16.0f}")
     fit = getattr(sys.modules.get("test_parity"), "FIT_TABLE", None)
     if fit:
-        terminalreporter.section("cuboid.fit parameter bytes estimated before sharding vs measured (bound: 10%)")
+        terminalreporter.section(
+            "cuboid.planning.capacity parameter bytes estimated before sharding vs measured (bound: 10%)"
+        )
         for name, worst in fit.items():
             terminalreporter.write_line(f"{name:50s} {worst:20.2%}")

@@ -1,6 +1,6 @@
 """The catalogue of wrong inputs: each fails before any work with a message that names what is wrong and the fix.
 
-Every case is cheap (no process group); README's "Common errors" section lists every case by its name (checked
+Every case is cheap (no process group); the guide's common-errors page (docs/errors.md) lists every case by its name (checked
 below), so the table there and this one cannot drift apart.
 """
 
@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from cuboid import CuboidStrategy, Layout, LayoutError, PlanError
-from cuboid.checkpoint import CheckpointError, check_loadable
-from cuboid.checkpoint_glue import Checkpointer
+from cuboid.checkpoint.checkpointer import Checkpointer
+from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.models import Llama, LlamaConfig
-from cuboid.pipeline import PipelineError, find_pipeline_split, split_batch, stage_blocks
-from cuboid.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
+from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
+from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+ERRORS_PAGE = ROOT / "docs" / "errors.md"  # the guide's common-errors page
 
 
 class _Wrapper(L.LightningModule):
@@ -50,7 +51,7 @@ def _trainer(**strategy: object) -> None:
 def _slurm_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from cuboid.launch import check_slurm_tasks
+    from cuboid.job.launch import check_slurm_tasks
 
     for key, value in {"SLURM_NTASKS": "6", "SLURM_JOB_NAME": "train", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
                        "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}.items():  # fmt: skip
@@ -72,8 +73,8 @@ def _torchrun_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
 def _too_big_for_the_device() -> None:
     """What setup checks on a GPU before materializing anything: a 3.3 B-parameter fp32 Llama (built on meta) on 8
     ranks of a 2 GiB device."""
-    from cuboid.fit import estimate, refuse_if_too_big
-    from cuboid.pipeline_steps import Pipelining
+    from cuboid.pipeline.pipelining import Pipelining
+    from cuboid.planning.capacity import estimate, refuse_if_too_big
 
     cfg = LlamaConfig(vocab_size=32000, dim=4096, n_layers=14, n_heads=32, n_kv_heads=8, ffn_dim=14336)
     lm = _Wrapper(cfg)
@@ -87,7 +88,7 @@ def _train_config(**overrides: object) -> None:
 
     from hydra import compose, initialize_config_module
 
-    sys.path.insert(0, str(README.parent / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts"))
     from hydra.core.hydra_config import HydraConfig
     from train import check_config
 
@@ -277,11 +278,9 @@ def test_bad_input_fails_with_a_message_that_says_what_to_do(name: str, monkeypa
         run(monkeypatch) if run in (_slurm_mismatch, _torchrun_mismatch) else run()
 
 
-def test_the_catalogue_is_large_and_in_the_readme() -> None:
+def test_the_catalogue_is_large_and_in_the_guide() -> None:
     assert len(CASES) >= 25
-    text = README.read_text()
-    section = text[text.index("## Common errors") :]
-    section = section[: section.index("\n## ", 5)]
+    section = ERRORS_PAGE.read_text()
     missing = [name for name in CASES if re.sub(r"\s+", " ", name) not in re.sub(r"\s+", " ", section)]
     assert not missing, missing
 
@@ -292,7 +291,7 @@ def test_every_strategy_argument_has_a_hydra_twin() -> None:
 
     import yaml
 
-    conf = yaml.safe_load((README.parent / "conf" / "strategy" / "fsdp.yaml").read_text())
+    conf = yaml.safe_load((ROOT / "conf" / "strategy" / "fsdp.yaml").read_text())
     internal = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
     names = set(inspect.signature(CuboidStrategy.__init__).parameters) - internal
     assert not names - set(conf), sorted(names - set(conf))

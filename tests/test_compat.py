@@ -114,7 +114,7 @@ def test_module_apply_reaches_metric_states_and_fsdp_style_overrides() -> None:
     """materialize_meta goes through _apply: a torchmetrics metric beside a meta layer keeps its state."""
     from torchmetrics import MeanMetric
 
-    from cuboid.materialize import materialize_meta
+    from cuboid.parallel.materialize import materialize_meta
 
     holder = nn.Module()
     holder.metric = MeanMetric()

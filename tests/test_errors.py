@@ -9,7 +9,7 @@ from torch import nn
 
 from cuboid import CuboidStrategy, Layout, LayoutError, PlanError
 from cuboid.models import TP_PLAN, Llama, LlamaConfig
-from cuboid.plans import check_tp_divisibility, find_blocks, find_model_plan, match_plan
+from cuboid.parallel.plans import check_tp_divisibility, find_blocks, find_model_plan, match_plan
 
 
 class Wrapper(L.LightningModule):
@@ -51,7 +51,7 @@ def test_strategy_is_registered_by_name() -> None:
 
 
 def test_pipeline_arguments_are_checked_up_front() -> None:
-    from cuboid.pipeline import PipelineError
+    from cuboid.pipeline.stages import PipelineError
 
     with pytest.raises(
         PipelineError,
@@ -69,7 +69,7 @@ def test_pipeline_arguments_are_checked_up_front() -> None:
 
 
 def test_blocks_not_divisible_by_stages_need_an_explicit_split() -> None:
-    from cuboid.pipeline import PipelineError, stage_blocks
+    from cuboid.pipeline.stages import PipelineError, stage_blocks
 
     with pytest.raises(
         PipelineError, match=r"6 blocks, not divisible by 4 pipeline stages. Pass pipeline_split=\[...\]"
@@ -81,7 +81,7 @@ def test_blocks_not_divisible_by_stages_need_an_explicit_split() -> None:
 
 
 def test_batch_not_divisible_by_microbatches_is_refused() -> None:
-    from cuboid.pipeline import PipelineError, split_batch
+    from cuboid.pipeline.stages import PipelineError, split_batch
 
     with pytest.raises(PipelineError, match="batch size 6 is not divisible by microbatches=4"):
         split_batch({"tokens": torch.zeros(6, 3)}, 4)
@@ -90,7 +90,7 @@ def test_batch_not_divisible_by_microbatches_is_refused() -> None:
 
 
 def test_model_that_is_not_pipeline_ready_says_what_is_missing() -> None:
-    from cuboid.pipeline import PipelineError, find_pipeline_split
+    from cuboid.pipeline.stages import PipelineError, find_pipeline_split
 
     class ListModel(nn.Module):
         def __init__(self) -> None:
@@ -183,7 +183,7 @@ def test_unsupported_precision_is_refused() -> None:
 def test_fsdp1_wrapped_modules_are_refused() -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from cuboid.parallelize import check_no_fsdp1
+    from cuboid.parallel.parallelize import check_no_fsdp1
 
     # FSDP1 cannot be constructed without an accelerator; an uninitialised instance is enough for the check.
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)

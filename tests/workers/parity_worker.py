@@ -25,7 +25,7 @@ import third_party  # noqa: E402
 from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
-from cuboid.fit import held_bytes  # noqa: E402
+from cuboid.planning.capacity import held_bytes  # noqa: E402
 
 
 class Facts(L.Callback):
@@ -35,7 +35,7 @@ class Facts(L.Callback):
         self.watch_link = watch_link
         self.link_targets_complete: list[bool] = []  # at each step start: is `last`'s target a whole checkpoint?
         self.bytes: dict[str, int] = {}
-        self.estimated_params: int | None = None  # cuboid.fit's estimate of this rank's parameter bytes
+        self.estimated_params: int | None = None  # cuboid.planning.capacity's estimate of this rank's parameter bytes
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.seen: list[list[int]] = []
@@ -46,7 +46,7 @@ class Facts(L.Callback):
             self.ckpt_group_at_start = trainer.strategy.checkpointer._group is not None
         self.seen.append(batch["idx"].tolist())
         if self.watch_link is not None and self.watch_link.is_symlink():
-            from cuboid.checkpoint import is_sharded_checkpoint
+            from cuboid.checkpoint.sharded import is_sharded_checkpoint
 
             self.link_targets_complete.append(is_sharded_checkpoint(self.watch_link))
 

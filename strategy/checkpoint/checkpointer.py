@@ -1,0 +1,248 @@
+"""The checkpointer: how a CuboidStrategy saves, loads, links and removes checkpoints.
+
+:class:`Checkpointer` owns everything about checkpoints that outlives one call: the format to write,
+whether saves run in the background (and the pending one), the gloo process group those use, the
+removals deferred while a ``last`` link still points at a checkpoint, the batches a mid-epoch resume
+skips, and the model's parameter order before a pipeline split. The strategy's Lightning hooks call it
+in one line each. The on-disk formats implement one interface (:mod:`cuboid.checkpoint.format`): Cuboid writes
+:class:`~cuboid.checkpoint.sharded.ShardedFormat` or :class:`~cuboid.checkpoint.full.FullFormat`, and loads
+those and :class:`~cuboid.checkpoint.lightning.LightningFormat` (Lightning's strategies' directories).
+
+``ModelCheckpoint(save_last="link")`` replaces ``last`` by delete-then-symlink, and deletes the old
+top-k checkpoint right after issuing a save; the checkpointer makes both safe: deletions wait for the
+pending save, ``last`` is re-pointed atomically (a new link renamed over the old) only once its target is
+complete, and a checkpoint that a ``last`` link still points to is deleted only after the link moved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+
+from cuboid import compat
+from cuboid.checkpoint.format import (
+    CheckpointFormat,
+    CheckpointReader,
+    LoadRequest,
+    SaveRequest,
+    check_loadable,
+    publish,
+    rank,
+    remove_path,
+)
+from cuboid.checkpoint.full import FullFormat
+from cuboid.checkpoint.lightning import LightningFormat
+from cuboid.checkpoint.resume import SkipFirstBatches
+from cuboid.checkpoint.sharded import ShardedFormat
+
+FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
+READERS: tuple[CheckpointReader, ...] = (*FORMATS.values(), LightningFormat())  # what Cuboid loads
+
+
+class Checkpointer:
+    """Saves and loads a CuboidStrategy's checkpoints; see the module docstring for what it owns.
+
+    Args:
+        format: ``"sharded"`` or ``"full"``: what :meth:`save` writes (either loads).
+        async_save: Write in the background once the state is copied to host memory.
+        barrier: Waits for every rank (the strategy's barrier): :meth:`link` ends with it.
+    """
+
+    def __init__(
+        self, format: str = "sharded", async_save: bool = False, barrier: Callable[[], None] = lambda: None
+    ) -> None:
+        self.format = format
+        self.async_save = async_save
+        # Advanced: a callable (directory -> DCP StorageWriter) to write sharded checkpoints elsewhere or differently.
+        self.storage_writer: Callable[[Path], Any] | None = None
+        # The model's parameter names before a pipeline split (None without one): positions in Lightning's
+        # optimizer states follow it.
+        self.model_order: list[str] | None = None
+        self._pending: Any = None
+        self._group: dist.ProcessGroup | None = None
+        self._stager: Any = None
+        self._deferred_removals: list[Path] = []
+        self._resume_skip = 0
+        self._barrier = barrier
+
+    def make_group(self) -> None:
+        """The gloo process group checkpoints use when they need one (async saves; the full format on NCCL), made
+        by every rank at setup: made lazily, a host-networking problem (a multi-NIC node) would show only at the
+        first save, hours into a run."""
+        if self._group is not None or not dist.is_initialized():
+            return
+        if self.async_save or (FORMATS[self.format].needs_gloo_group and dist.get_backend() != "gloo"):
+            self._group = dist.new_group(backend="gloo")
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The gloo group :meth:`make_group` made, if any."""
+        return self._group
+
+    @property
+    def stager(self) -> Any:
+        """The host staging of async saves, kept across saves: its buffers (pinned on GPUs, for fast copies) are
+        allocated at the first save and reused by the next ones, instead of fresh pageable memory each time."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # copied before save() returns; written in the background
+                    use_non_blocking_copy=False,
+                )
+            )
+        return self._stager
+
+    @property
+    def format(self) -> str:
+        return self._format
+
+    @format.setter
+    def format(self, value: str) -> None:
+        if value not in FORMATS:
+            raise ValueError(f"checkpoint_format={value!r}; choose 'sharded' (default) or 'full'.")
+        self._format = value
+
+    def save(
+        self,
+        path: Path,
+        checkpoint: dict[str, Any],
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        trainer: Any,
+        layout_sizes: tuple[int, ...],
+        mesh: Any,
+    ) -> None:
+        """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically)."""
+        checkpoint.pop("state_dict", None)
+        # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
+        optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
+        epoch, batches = trainer.fit_loop.epoch_progress.current, trainer.fit_loop.epoch_loop.batch_progress
+        # Lightning resumes mid-epoch only from an epoch its own counters call unfinished (started, not yet
+        # processed); a save at the epoch's end, after fit, or after max_steps stopped fit mid-epoch resumes with
+        # the next epoch from its start, which must not be skipped into.
+        mid_epoch = epoch.started > epoch.processed and not batches.is_last_batch
+        checkpoint["cuboid"] = {
+            "layout": layout_sizes,
+            "world_size": dist.get_world_size(),
+            # batches of the current epoch already trained: a mid-epoch resume skips them
+            "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
+        }
+        self.wait()
+        fmt = FORMATS[self.format]
+        self.make_group()  # made at setup; again here only if async saves or the format were switched on since
+        self._pending = fmt.save(
+            SaveRequest(
+                path,
+                module,
+                optimizers,
+                checkpoint,
+                mesh=mesh,
+                group=self._group,
+                background=self.async_save,
+                model_order=self.model_order,
+                storage_writer=self.storage_writer,
+                stager=self.stager if self.async_save else None,
+            )
+        )
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until a background (async) save has been written and renamed into place; raise its
+        :class:`~cuboid.checkpoint.CheckpointError` if it failed (only log it with ``raise_error=False``)."""
+        if self._pending is not None:
+            self._pending.join()
+            error, self._pending = getattr(self._pending, "error", None), None
+            if error is not None:
+                if raise_error:
+                    raise error
+                rank_zero_info(f"Cuboid: {error}")
+
+    def settle(self) -> None:
+        """Block until a background save has finished, keeping its outcome for :meth:`failure` (at the end of
+        training, so that a failure that happens after the last step is still raised on every rank)."""
+        if self._pending is not None:
+            self._pending.join()
+
+    def failure(self) -> BaseException | None:
+        """The error of a background save that has finished and failed (None while it runs or if it succeeded);
+        checked by every rank after each optimizer step, without waiting."""
+        pending = self._pending
+        if pending is None or pending.is_alive():
+            return None
+        return getattr(pending, "error", None)
+
+    def load(
+        self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """Load ``path`` (a Cuboid directory or file, or a Lightning strategy's) into this layout, whatever format
+        is set for saving; return Lightning's state."""
+        check_loadable(path, allow_file=True)
+        fmt = next((reader for reader in READERS if reader.recognizes(path)), FORMATS["sharded"])
+        request = LoadRequest(path, module, optimizers, strict, weights_only, self.model_order)
+        meta = fmt.load(request)
+        self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
+        return meta
+
+    def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
+        """After a mid-epoch resume, skip the batches of the epoch that were already trained (once)."""
+        if self._resume_skip and trainer is not None and trainer.training:
+            skip = self._resume_skip
+            dataloader = SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
+            self._resume_skip = 0
+            rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
+        return dataloader
+
+    def remove(self, path: Path) -> None:
+        """ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,
+        and never while a `last` link still points to it (it is deleted once the link has moved)."""
+        self.wait()
+        if rank() == 0:
+            if not path.is_symlink() and _linked_from(path):
+                self._deferred_removals.append(path)
+            else:
+                remove_path(path)
+
+    def guard_callbacks(self, callbacks: list[Any]) -> None:
+        """Route ``ModelCheckpoint(save_last="link")``'s link update through :meth:`link`."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        for callback in callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
+                compat.route_link_checkpoint(callback, self.link)
+
+    def link(self, trainer: Any, filepath: str | os.PathLike, linkpath: str | os.PathLike) -> None:
+        """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
+        self.wait()
+        target, link = Path(filepath), Path(linkpath)
+        if rank() == 0 and target.absolute() != link.absolute():
+            fresh = link.with_name(f".{link.name}.link")
+            remove_path(fresh)
+            fresh.symlink_to(os.path.relpath(target, link.parent))
+            if link.is_symlink() or not link.exists():
+                os.replace(fresh, link)  # atomic: readers see the old link or the new one
+            else:
+                publish(fresh, link)  # a real checkpoint stood there: moved aside, then removed
+            for path in [p for p in self._deferred_removals if not _linked_from(p)]:
+                self._deferred_removals.remove(path)
+                remove_path(path)
+        self._barrier()
+
+
+def _linked_from(path: Path) -> bool:
+    """True when a symlink beside ``path`` points to it (a ``last`` link of ModelCheckpoint)."""
+    if not path.exists() or not path.parent.is_dir():
+        return False
+    target = path.resolve()
+    return any(p.is_symlink() and p.resolve() == target for p in path.parent.iterdir() if p != path)

@@ -1,0 +1,107 @@
+"""Weight export, the code behind ``python -m cuboid.export``.
+
+Writes a checkpoint's model weights (sharded or full, any training layout) to one safetensors file, or,
+for the reference Llama, a Hugging Face ``LlamaForCausalLM`` directory. Apart from the checkpoint core:
+it is the only place that maps Cuboid's checkpoints onto a model family (``cuboid.models``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from cuboid.checkpoint.format import CheckpointError, check_loadable, load_pickled
+
+
+def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full model weights of a checkpoint (sharded or full), by original name, in one process.
+
+    Needs no process group and no knowledge of the training layout; reads the model entries only
+    (never the optimizer state).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    check_loadable(path, allow_file=True)
+    if path.is_file():  # checkpoint_format="full": memory-mapped, so only the weights' pages are read
+        weights = load_pickled(path, weights_only=None, mmap=True).get("state_dict")
+        if weights is None:
+            raise CheckpointError(f"{path} is a file without a 'state_dict': not a Cuboid or Lightning checkpoint.")
+        return {key: (t.to(dtype) if dtype else t) for key, t in weights.items()}
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
+
+
+if __name__ == "__main__":  # `python -m cuboid.export ...` (the CLI lives in cuboid.checkpoint.export)
+    from cuboid.checkpoint.export import main
+
+    main()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m cuboid.export CKPT OUT.safetensors [--dtype bf16] [--hf SIZE]``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cuboid.export",
+        description="Write a Cuboid checkpoint's model weights (sharded directory or full file, any training layout) "
+        "to one safetensors file, or a Hugging Face Llama directory with --hf.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (full)")
+    parser.add_argument("out", help="the .safetensors file to write (a directory with --hf)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: as stored")
+    parser.add_argument(
+        "--hf",
+        metavar="CONFIG",
+        default=None,
+        help="write a Hugging Face LlamaForCausalLM directory (OUT/model.safetensors + config.json) for the reference "
+        "Llama; CONFIG is a named size (debug, 150m, 1b, 8b, 70b) or a conf/model YAML file",
+    )
+    parser.add_argument(
+        "--prefix", default="model.", help="where the Llama sits in the LightningModule (default: model.)"
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:  # the form earlier releases documented: `... export CKPT OUT`
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
+    try:
+        weights = read_model_weights(args.checkpoint, dtype)
+    except CheckpointError as err:
+        raise SystemExit(f"cuboid.export: {err}") from None
+    from safetensors.torch import save_file
+
+    if args.hf is not None:
+        import json
+
+        from cuboid.models.llama import CONFIGS, LlamaConfig, to_hf_llama
+
+        if args.hf in CONFIGS:
+            cfg = CONFIGS[args.hf]
+        else:
+            from omegaconf import OmegaConf
+
+            fields = OmegaConf.to_container(OmegaConf.load(args.hf))
+            fields.pop("_target_", None)
+            cfg = LlamaConfig(**fields)
+        mine = {k[len(args.prefix) :]: v for k, v in weights.items() if k.startswith(args.prefix)}
+        weights, config = to_hf_llama(mine, cfg)
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(
+            json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
+        )
+        args.out = str(out_dir / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    print(f"wrote {len(weights)} tensors ({total / 2**20:.1f} MiB) to {args.out}")

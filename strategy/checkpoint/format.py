@@ -1,0 +1,257 @@
+"""The checkpoint format interface, and what every format shares.
+
+A format is one way a checkpoint lies on disk. :class:`CheckpointFormat` is what the checkpointer asks of the
+ones Cuboid writes (:class:`~cuboid.checkpoint.sharded.ShardedFormat`, a DCP directory;
+:class:`~cuboid.checkpoint.full.FullFormat`, one Lightning file); :class:`CheckpointReader` is what it asks of
+a format it only reads (:class:`~cuboid.checkpoint.lightning.LightningFormat`, the DCP directories of
+Lightning's ModelParallelStrategy and FSDPStrategy). Each call takes one request object, so the arguments are
+written once, here. The helpers below (state by parameter name, atomic publish, RNG, Lightning's pickled state)
+are shared by the formats.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+META_FILE = "meta.pt"  # Lightning's state beside the DCP shards (the name Lightning's own strategies use)
+RNG_DIR = "rng"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class SaveRequest:
+    """What a format's ``save`` is given: the path, the state to write, and how to write it."""
+
+    path: Path
+    module: nn.Module
+    optimizers: Sequence[Optimizer]
+    lightning_state: dict[str, Any]  # Lightning's own state (loops, callbacks, schedulers) and Cuboid's
+    mesh: Any = None
+    group: dist.ProcessGroup | None = None  # a gloo group for checkpoints (async saves; full on NCCL)
+    background: bool = False  # write in the background; save returns the thread to join
+    model_order: Sequence[str] | None = None  # parameter names before a pipeline split
+    storage_writer: Callable[[Path], Any] | None = None  # advanced: directory -> DCP StorageWriter
+    stager: Any = None  # a DCP AsyncStager kept across async saves
+
+
+@dataclass
+class LoadRequest:
+    """What a format's ``load`` is given."""
+
+    path: Path
+    module: nn.Module
+    optimizers: Sequence[Optimizer] = field(default_factory=list)
+    strict: bool = True
+    weights_only: bool | None = None  # for Lightning's pickled state: None means True
+    model_order: Sequence[str] | None = None
+
+
+class CheckpointReader(Protocol):
+    """A checkpoint layout Cuboid loads into any layout of its own."""
+
+    name: str
+
+    def recognizes(self, path: Path) -> bool:
+        """True when ``path`` (complete, checked by :func:`check_loadable`) lies in this format."""
+        ...
+
+    def load(self, request: LoadRequest) -> dict[str, Any]:
+        """Load model (and optimizer) state into this layout; return Lightning's state."""
+        ...
+
+
+class CheckpointFormat(CheckpointReader, Protocol):
+    """A checkpoint layout Cuboid also writes (``checkpoint_format=`` names it)."""
+
+    needs_gloo_group: bool  # the format moves host tensors between ranks (on NCCL it needs a gloo group)
+
+    def save(self, request: SaveRequest) -> threading.Thread | None:
+        """Write ``request.path`` atomically; with ``background``, return the thread to join before the next."""
+        ...
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; nothing was changed."""
+
+
+def check_loadable(path: Path, allow_file: bool = False) -> None:
+    """Refuse, with a clear message, anything that is not a complete Cuboid checkpoint.
+
+    ``allow_file``: a file passes (a ``checkpoint_format="full"`` checkpoint, checked when read).
+    """
+    if path.name.startswith(".") and ".tmp" in path.name:
+        raise CheckpointError(
+            f"{path} is the temporary copy of a save that never finished; load the previous complete "
+            f"checkpoint instead (its name has no leading dot)."
+        )
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    if path.is_file() and allow_file:
+        return
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file, not a Cuboid sharded checkpoint (a directory written by CuboidStrategy with "
+            f"'.metadata' and '{META_FILE}')."
+        )
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a complete Cuboid checkpoint: {', '.join(missing)} missing. A save that was "
+            f"interrupted leaves only a hidden '.<name>.tmp' directory; load the previous checkpoint."
+        )
+
+
+def _check_keys(path: Path, stored: set[str], expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model entries (``model.<fqn>``) are not this model's parameters."""
+    wanted = {f"model.{k}" for k in expected}
+    if dist.is_initialized():  # pipeline stages each hold part of the model: compare the union
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, wanted)
+        wanted = set().union(*everyone)
+    have = {k for k in stored if k.startswith("model.")}
+    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} holds another model: {len(missing)} parameters missing (e.g. {[m[6:] for m in missing[:3]]}) "
+            f"and {len(unexpected)} unexpected (e.g. {[u[6:] for u in unexpected[:3]]}). Nothing was loaded."
+        )
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_failed(path: Path, tmp: Path, err: BaseException) -> CheckpointError:
+    """The error a failed save raises: what failed, that nothing was replaced, and where the partial write is."""
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+    if failures:
+        what = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(failures.items()))
+    else:
+        what = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return CheckpointError(
+        f"saving {path.name} failed ({what}). Nothing was replaced: the previous "
+        f"checkpoints in {path.parent} are intact and resumable; the partial write {tmp.name} may be deleted. "
+        "Free disk space or fix the directory's permissions, then resume (ckpt_path='auto' picks the newest "
+        "complete checkpoint)."
+    )
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Rank 0 moves the finished temporary directory (or file) to its real name, replacing an older one."""
+    if rank() != 0:
+        return
+    old = path.with_name(f".{path.name}.old")
+    if path.exists() or path.is_symlink():
+        remove_path(old)
+        path.rename(old)
+    tmp.rename(path)
+    remove_path(old)
+
+
+def state_dicts(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    """What both formats store: ``{"model": ..., "optimizer_<i>": ...}``, by parameter name (flattened optimizer
+    state), values as this rank holds them (DTensor shards)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    for idx, opt in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
+    return state
+
+
+def load_state(
+    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, stored: set[str], **dcp_load: Any
+) -> None:
+    """Read a checkpoint's entries (``stored``: its flattened keys) into this layout with DCP and set them.
+
+    A checkpoint without optimizer entries (``ModelCheckpoint(save_weights_only=True)``) sets the model
+    only; Lightning itself refuses to resume training from it, with its own message.
+    """
+    if not any(k.startswith("optimizer_") for k in stored):
+        optimizers = []
+    state = state_dicts(module, optimizers)
+    if strict:
+        _check_keys(path, stored, state["model"])
+    try:
+        dcp.load(state, **dcp_load)
+    except Exception as err:  # DCP wraps per-rank read failures
+        raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for idx, opt in enumerate(optimizers):
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint directory, file or link (a link only, never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def load_pickled(path: Path, weights_only: bool | None, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load`` of Lightning's state (loops, callbacks, hyper-parameters), ``weights_only`` by default.
+
+    Lightning's state is pickled: only objects torch deems safe load unless ``weights_only=False``
+    is passed (as ``trainer.fit(..., weights_only=False)``), which can run code from the file.
+    """
+    safe = True if weights_only is None else weights_only
+    try:
+        return torch.load(path, map_location="cpu", weights_only=safe, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if not safe:
+            raise CheckpointError(f"could not unpickle {path} (corrupted?): {err}") from err
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        raise CheckpointError(
+            f"{path} holds pickled objects that a weights-only load refuses ({', '.join(unsafe[:4]) or 'see torch'}), "
+            "e.g. in the LightningModule's hyper-parameters. If the checkpoint comes from a place you trust, load it "
+            "with trainer.fit(..., weights_only=False) (trainer.validate/test/predict take it too)."
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+
+
+def same_world(meta: dict[str, Any]) -> bool:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return meta.get("cuboid", {}).get("world_size") == world
+
+
+def collect_rng() -> dict[str, Any]:
+    """This rank's RNG states (torch, CUDA, numpy, random) as tensors and plain values (weights-only loadable)."""
+    from cuboid.compat import collect_rng_states
+
+    states = collect_rng_states(include_cuda=torch.cuda.is_available())
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return states
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    from cuboid.compat import set_rng_states
+
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    states["numpy"] = (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)
+    set_rng_states(states)

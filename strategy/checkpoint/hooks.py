@@ -1,0 +1,66 @@
+"""The strategy's checkpoint hooks: Lightning's save, load and remove calls, each delegated to the strategy's
+:class:`~cuboid.checkpoint.Checkpointer` in one line. Model and optimizer state never pass through Lightning's
+dicts: the formats write and read them shard by shard."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import override
+
+from cuboid.checkpoint.checkpointer import Checkpointer
+
+
+class CheckpointHooks:
+    """Mixed into :class:`cuboid.CuboidStrategy` before its ``ParallelStrategy`` base: needs ``checkpointer``,
+    ``broadcast``, ``model``, ``optimizers``, ``layout``, ``device_mesh`` and ``lightning_module``."""
+
+    checkpointer: Checkpointer
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is written shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # written shard by shard in save_checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        assert self.model is not None and self.lightning_module is not None
+        path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
+        self.checkpointer.save(
+            path, checkpoint, self.model, self.optimizers, trainer, self.layout.sizes, self.device_mesh
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background (async) save has been written and renamed into place."""
+        self.checkpointer.wait()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None
+        path, strict = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
+        return self.checkpointer.load(path, self.model, self.optimizers, strict, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpointer.remove(Path(filepath))
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self.checkpointer.resume_loader(dataloader, trainer)

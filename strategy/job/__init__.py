@@ -1,0 +1,10 @@
+"""The job wing: a job's life outside the step. Launching, stopping together on preemption and requeueing,
+the dead-rank watchdog, hung collectives, even batches across ranks, the run directory's lock, and
+:class:`JobGuard`, which the strategy holds."""
+
+from cuboid.job.even_batches import UnevenBatchesError
+from cuboid.job.guard import JobGuard
+from cuboid.job.run_lock import RunDirectoryBusy
+from cuboid.job.watchdog import EXIT_CODE as DEAD_PEER_EXIT_CODE
+
+__all__ = ["DEAD_PEER_EXIT_CODE", "JobGuard", "RunDirectoryBusy", "UnevenBatchesError"]

@@ -1,0 +1,204 @@
+"""Starting the processes of one job: Lightning's script launcher, made safe for Hydra sweeps.
+
+Lightning's launcher re-runs ``sys.argv`` in each child. Under ``hydra -m`` that argv is the
+whole sweep, so every child would run every job; and after the first job the parent keeps the
+``LOCAL_RANK``/``MASTER_PORT`` it set, so the next job believes its processes were started
+externally and spawns none. Cuboid's launcher starts each child on exactly its job (the
+composed config Hydra saved in the job's output directory), and clears the variables it set
+once the job ends, so the next job of a sweep starts its own process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.fabric.plugins import ClusterEnvironment
+from typing_extensions import override
+
+from cuboid.compat import SubprocessScriptLauncher, basic_subprocess_cmd, init_dist_connection
+from cuboid.parallel.mesh import LayoutError
+
+_SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+_MARKER = "CUBOID_LAUNCHED"  # "<pid of the launching process>|<hydra job output dir>"
+
+
+def _current_job() -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return ""
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ""
+
+
+def forget_previous_launch() -> None:
+    """Start the next Hydra job of a sweep afresh in the process that launched the previous one.
+
+    Drops the rank variables this process set for the earlier job and its process group, so this
+    job launches its own processes (possibly a different number) on a new port. A second Trainer
+    inside the *same* job keeps them, exactly as with Lightning's own launcher.
+    """
+    marker = os.environ.get(_MARKER, "")
+    pid, _, job = marker.partition("|")
+    if pid != str(os.getpid()) or job == _current_job():
+        return
+    for key in (*_SET_BY_LAUNCHER, _MARKER):
+        os.environ.pop(key, None)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_AT_EXIT_REGISTERED = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits.
+
+    A process that exits with a live gloo group can abort in C++ teardown ("terminate called
+    without an active exception"); Lightning's child-process observer then sees a non-zero exit
+    and kills the whole job, the next Hydra sweep job included. A core dump of such an abort showed
+    a gloo worker thread destroying a finished all-gather (``AsyncAllgatherWork``) and taking the
+    GIL during interpreter finalization (the race of pytorch/pytorch#179291).
+    """
+    global _AT_EXIT_REGISTERED
+    if _AT_EXIT_REGISTERED:
+        return
+    _AT_EXIT_REGISTERED = True
+    import atexit
+
+    def _destroy() -> None:
+        import time
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # A gloo worker thread frees each finished collective's tensors after it signalled completion, which
+            # needs the GIL; if the interpreter is already finalizing it dies in C++ (std::terminate, SIGABRT).
+            # Release the GIL for a moment while Python is still whole, so those frees happen now.
+            time.sleep(0.1)
+            dist.destroy_process_group()
+
+    atexit.register(_destroy)
+
+
+def _hydra_job_command(local_rank: int) -> tuple[Sequence[str], str] | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return None
+    if not HydraConfig.initialized():
+        return None
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    job_dir = hydra_cfg.runtime.output_dir
+    if hydra_cfg.output_subdir is None:
+        raise RuntimeError(
+            "CuboidStrategy starts each process on the job's saved config, but hydra.output_subdir is null. "
+            "Keep the default (.hydra) so the composed config is written to the job directory."
+        )
+    config_dir = os.path.join(job_dir, hydra_cfg.output_subdir)
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += [
+        f"--config-path={config_dir}",
+        "--config-name=config",
+        f"hydra.run.dir={job_dir}",
+        "hydra.output_subdir=null",
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra/hydra_logging=disabled",
+        "hydra/job_logging=disabled",
+    ]
+    return command, get_original_cwd()
+
+
+class CuboidLauncher(SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, but each child runs exactly the current Hydra job."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        os.environ[_MARKER] = f"{os.getpid()}|{_current_job()}"
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = str(local_rank)
+            env.pop(_MARKER, None)
+            hydra_job = _hydra_job_command(local_rank)
+            if hydra_job is not None:
+                command, cwd = hydra_job
+            else:
+                command, cwd = basic_subprocess_cmd(), None
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+
+def check_before_launch(
+    cluster_environment: ClusterEnvironment, num_nodes: int, num_processes: int, cpu_offload: bool, device: Any
+) -> None:
+    """What can be refused in the launching process, before any child process or process group exists."""
+    if cpu_offload and device.type == "cpu":
+        raise ValueError(
+            "cpu_offload=True moves sharded parameters, gradients and optimizer state from accelerator memory to "
+            "host memory; with accelerator='cpu' they already are there. Set cpu_offload=False."
+        )
+    check_slurm_tasks(cluster_environment, num_nodes, num_processes)
+
+
+def check_external_launch(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
+    """Processes started by torchrun (or another external launcher) must be what the Trainer expects: its world
+    size num_nodes x devices, and this process's local rank one of the devices."""
+    if not env.creates_processes_externally:
+        return
+    check_slurm_tasks(env, num_nodes, devices)  # SLURM's own message first
+    world, local = env.world_size(), env.local_rank()
+    if world != num_nodes * devices or local >= devices:
+        raise LayoutError(
+            f"The launcher started {world} processes (this one local rank {local}), but the Trainer expects "
+            f"num_nodes ({num_nodes}) x devices ({devices}) = {num_nodes * devices}. Set Trainer(devices=...) to the "
+            "processes per node (torchrun's --nproc-per-node, SLURM's --ntasks-per-node) and num_nodes to the nodes."
+        )
+
+
+def slurm_job_id() -> str | None:
+    """This SLURM job's id as ``scontrol`` takes it (an array task's ``<array job>_<task>``), or None outside SLURM."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def check_slurm_tasks(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
+    """SLURM's task count must equal nodes x tasks per node (Lightning checks only the latter)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(env, SLURMEnvironment):
+        return
+    ntasks = int(os.environ.get("SLURM_NTASKS", num_nodes * devices))
+    if ntasks != num_nodes * devices:
+        raise LayoutError(
+            f"SLURM runs {ntasks} tasks (SLURM_NTASKS) but the Trainer expects num_nodes ({num_nodes}) x devices "
+            f"({devices}) = {num_nodes * devices}. Submit with --nodes={num_nodes} --ntasks-per-node={devices}, "
+            f"or set trainer.num_nodes / trainer.devices to match the allocation."
+        )
+
+
+def start_process_group(cluster_environment: ClusterEnvironment, backend: str, device: Any, timeout: Any) -> None:
+    """Initialize the default process group (``device_id`` bound on accelerators) and destroy it at exit."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    init_dist_connection(cluster_environment, backend, **kwargs)
+    destroy_process_group_at_exit()

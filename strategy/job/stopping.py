@@ -1,0 +1,159 @@
+"""Stopping together: a signal to any rank stops every rank after the same optimizer step, through host memory only;
+on a preemption signal every rank first saves one checkpoint, and the job asks SLURM to requeue it.
+
+Lightning 2.6's training loop asks at the start of every step whether rank 0 received SIGTERM
+(``_TrainingEpochLoop._broadcast_sigterm_tensor``): a tensor made on the device, broadcast over the default group
+(NCCL on GPUs) and read back with ``.item()``, a host sync per step that stalls the launch queue. Its SIGTERM
+handler broadcasts from inside the handler (pairing with whatever collective the other ranks are in), its loops
+then stop the signalled rank alone at the end of its step, and under SLURM auto-requeue its SIGUSR1 handler calls
+``trainer.save_checkpoint`` from inside the handler, at a different point on each rank (a collective save that
+mismatches and hangs). Cuboid drops all three: the handlers only record the signal, and after each optimizer step
+a MAX all-reduce of one host integer over a gloo group tells every rank what any rank received:
+
+* a signal in ``preempt_on`` (default SIGUSR1, which ``sbatch --signal=USR1@120`` sends before the time limit,
+  and SIGTERM, which SLURM sends on preemption or ``scancel``): every rank saves
+  ``<checkpoint dir>/preempted-step=<N>.ckpt`` (the ModelCheckpoint's ``dirpath``, else
+  ``<default_root_dir>/checkpoints``), waits for it to be complete, then rank 0 runs ``scontrol requeue
+  $SLURM_JOB_ID`` when both exist; every rank stops with ``SIGTERMException`` (exit code 0), raised by
+  Lightning's loop at the end of the step once its metrics are logged. The next start with
+  ``ckpt_path="auto"`` resumes from it.
+* SIGTERM not in ``preempt_on``: every rank stops the same way without saving (Lightning's behaviour, agreed).
+* a background (async) checkpoint save that failed on some rank (a full disk): every rank raises its
+  ``CheckpointError`` at the same step, instead of the error waiting in a thread until the next save.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from cuboid import compat
+from cuboid.checkpoint.format import CheckpointError
+from cuboid.job.launch import slurm_job_id
+
+STOP, PREEMPT, SAVE_FAILED = 1, 2, 3
+
+
+def host_group() -> Any:
+    """A gloo group of every rank: the default group when it is gloo, else a new one (made by every rank)."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", group_desc="cuboid_host")
+
+
+def signal_numbers(names: Sequence[str | int]) -> tuple[signal.Signals, ...]:
+    """``("SIGUSR1", "SIGTERM")`` -> signal numbers; a clear error for a name that is not a signal."""
+    out = []
+    for name in names:
+        try:
+            out.append(signal.Signals[name] if isinstance(name, str) else signal.Signals(name))
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"preempt_on={list(names)!r}: {name!r} is not a signal; use names such as 'SIGUSR1', 'SIGTERM'."
+            ) from None
+    return tuple(out)
+
+
+class StopAgreement(L.Callback):
+    """Added to the Trainer's callbacks by the strategy at setup (fit only); see the module docstring."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        group: Any,
+        preempt_on: Sequence[signal.Signals],
+        save_failure: Callable[[], BaseException | None] = lambda: None,
+        settle_saves: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.trainer, self.group, self.preempt_on = trainer, group, tuple(preempt_on)
+        self.save_failure = save_failure  # a background save that failed, surfaced at the next step on every rank
+        self.settle_saves = settle_saves  # wait for a background save to finish (at the end of training)
+        self.received = 0  # the strongest request this rank's handlers recorded (STOP or PREEMPT)
+        self.preempted_to: Path | None = None
+        self._mark_received: Callable[[], None] = lambda: None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> None:
+        compat.drop_sigterm_broadcast(self.trainer)
+        self._mark_received = compat.take_over_sigterm(self.trainer, lambda: self._on_signal(signal.SIGTERM))
+        compat.take_over_slurm_requeue_signal(self.trainer, lambda: self._on_signal(signal.SIGUSR1))
+        for sig in self.preempt_on:  # others than SIGTERM: ours, whether or not Lightning registers one
+            if sig != signal.SIGTERM:
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: self._on_signal(signal.Signals(signum)))
+        self.trainer.callbacks.append(self)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self in self.trainer.callbacks:
+            self.trainer.callbacks.remove(self)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.received = max(self.received, PREEMPT if sig in self.preempt_on else STOP)
+
+    def agreed(self) -> int:
+        """The strongest request any rank received, or SAVE_FAILED when a rank's background save failed (a
+        collective: every rank calls it at the same point)."""
+        flag = torch.tensor([SAVE_FAILED if self.save_failure() else self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.tolist()[0])  # host memory
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if compat.should_accumulate(trainer):  # only after an optimizer step: a checkpoint here resumes exactly
+            return
+        request = self.agreed()
+        if request == SAVE_FAILED:
+            self._raise_save_failure()
+        if request == PREEMPT:
+            self.preempted_to = self.save(trainer)
+            requeue(trainer.is_global_zero)
+        if request:
+            # trainer.received_sigterm, on every rank at once: Lightning's loop raises SIGTERMException at the end of
+            # this step, after logging it (raising here lost the step's logged metrics: a gap in the W&B curve).
+            self._mark_received()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A background save still running after the last step: wait for it, and fail on every rank if it failed on
+        any (a failure that finished after the last step's check would otherwise only be logged at teardown)."""
+        self.settle_saves()
+        if self.agreed() == SAVE_FAILED:
+            self._raise_save_failure()
+
+    def _raise_save_failure(self) -> None:
+        raise self.save_failure() or CheckpointError(
+            "a background checkpoint save failed on another rank (its log says why). Nothing was replaced: "
+            "the previous checkpoints are intact; resume from the newest complete one."
+        )
+
+    def save(self, trainer: L.Trainer) -> Path:
+        callback = trainer.checkpoint_callback
+        dirpath = getattr(callback, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
+        path = Path(dirpath) / f"preempted-step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()  # an async save must be on disk before the process exits
+        rank_zero_info(f"Cuboid: preempted after step {trainer.global_step}; checkpoint saved to {path}")
+        return path
+
+
+def requeue(is_rank0: bool) -> bool:
+    """On rank 0 under SLURM, ``scontrol requeue`` this job (array task included). Returns whether it was asked."""
+    job = slurm_job_id()
+    if not is_rank0 or not job or shutil.which("scontrol") is None:
+        if is_rank0:
+            rank_zero_info("Cuboid: not under SLURM with scontrol: start the same command again to resume.")
+        return False
+    code = subprocess.call(["scontrol", "requeue", job])
+    rank_zero_info(f"Cuboid: scontrol requeue {job} -> exit code {code}")
+    return code == 0

@@ -1,0 +1,159 @@
+"""The plain build of a LightningModule (no pipeline), and the weight handling every build shares.
+
+The strategy decides the route (torchtitan's ``train.py`` pattern): without pipeline parallelism
+:func:`parallelize_plain` shards the whole LightningModule; with it, the pipeline wing keeps this rank's stages
+and calls :func:`cuboid.parallel.parallelize.parallelize` on each. Either way, weights are prepared before
+(:func:`prepare_weights`: what was built for real gets rank 0's values, what was built on meta keeps a meta twin
+for rank 0's init, pretrained sources are checked) and filled after (:func:`finish_weights`), once sharded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from cuboid.checkpoint import pretrained as pretrained_weights
+from cuboid.parallel import materialize, plans
+from cuboid.parallel.mesh import fsdp_mesh
+from cuboid.parallel.parallelize import ACMode, Part, parallelize
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Everything :func:`~cuboid.parallel.parallelize.parallelize` applies besides the tensor-parallel plan."""
+
+    tp_mesh: DeviceMesh
+    dp_mesh: DeviceMesh  # what FSDP shards over (dp_shard, with dp_replicate for HSDP)
+    mp_policy: MixedPrecisionPolicy
+    activation_checkpointing: ACMode | None = None
+    compile: bool = False
+    reshard_after_forward: bool | int = True
+    cpu_offload: bool = False
+
+    @classmethod
+    def on(cls, mesh: DeviceMesh, **kwargs: Any) -> ParallelSettings:
+        """The settings on ``mesh``'s ``tp`` dimension and its FSDP dimensions."""
+        return cls(tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh(mesh), **kwargs)
+
+    def apply(self, parts: Sequence[Part], tp_root: nn.Module, matched: Mapping[str, tuple[nn.Module, str]]) -> None:
+        """Parallelize ``parts`` (FSDP roots with their blocks), the plan ``matched`` naming modules of ``tp_root``."""
+        parallelize(
+            parts,
+            tp_root=tp_root,
+            tp_plan=plans.parallel_plan(matched),
+            tp_mesh=self.tp_mesh,
+            dp_mesh=self.dp_mesh,
+            mp_policy=self.mp_policy,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
+
+
+@dataclass
+class Weights:
+    """What :func:`prepare_weights` found, for :func:`finish_weights`."""
+
+    sources: list[Any] = field(default_factory=list)  # pretrained plans, checked
+    loaded: set[str] = field(default_factory=set)  # names a pretrained source fills
+    on_meta: set[str] = field(default_factory=set)  # names built on the meta device
+    twins: dict[str, Any] = field(default_factory=dict)  # meta twins for rank 0's init
+
+
+def prepare_weights(
+    lm: nn.Module, pretrained: Mapping[str, Any] | None, device: torch.device, *, pipelined: bool
+) -> Weights:
+    """Check every pretrained source before any work, keep meta twins, move what was built for real to ``device``
+    with rank 0's values on every rank."""
+    direct = [n for n, _ in lm.named_parameters(recurse=False)]
+    if direct and pipelined:
+        raise TypeError(
+            f"{type(lm).__name__} holds parameters directly ({direct}); under pipeline parallelism every parameter "
+            "must belong to a stage. Move them into the model the LightningModule calls (e.g. self.model)."
+        )
+    sources = pretrained_weights.plan_all(lm, pretrained or {})  # every source checked before any work
+    loaded = set().union(*(plan.lightning_names() for plan in sources))
+    on_meta = materialize.meta_names(lm)
+    twins = materialize.meta_twins(lm) if on_meta - loaded else {}
+    materialize.to_device_except_parameters(lm, device)
+    materialize.broadcast_from_rank0(lm, device, skip=loaded)  # what was built for real: rank 0's values everywhere
+    return Weights(sources, loaded, on_meta, twins)
+
+
+def lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
+    """The FSDP roots of a LightningModule (its top-level children with parameters), each with its blocks."""
+    roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
+    return [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
+
+
+def parallelize_plain(
+    lm: nn.Module,
+    blocks: Sequence[tuple[str, nn.Module]],
+    matched: Mapping[str, tuple[nn.Module, str]],
+    settings: ParallelSettings,
+) -> None:
+    """Without pipeline parallelism: each top-level child with parameters becomes an FSDP root with its blocks."""
+    settings.apply(lightning_parts(lm, blocks), lm, matched)
+
+
+def finish_weights(
+    lm: nn.Module,
+    weights: Weights,
+    blocks: Sequence[tuple[str, nn.Module]],
+    device: torch.device,
+    dp_mesh: DeviceMesh,
+    cpu_offload: bool = False,
+) -> None:
+    """Once sharded: materialize what was on meta (from the twins, block by block), load the pretrained sources,
+    and keep parameters left outside every FSDP unit in step over ``dp_mesh``."""
+    if weights.on_meta:
+        block_names = {name for name, _ in blocks}
+        # Under CPU offload FSDP2 keeps the sharded parameters on the host: materialize them there.
+        param_device = torch.device("cpu") if cpu_offload else None
+        materialize.materialize_streamed(
+            lm, weights.twins, weights.on_meta, device, block_names, weights.loaded, param_device
+        )
+    for plan in weights.sources:
+        pretrained_weights.load(lm, plan)
+    average_stray_gradients(lm, report_stray_parameters(lm), dp_mesh)
+
+
+def report_stray_parameters(lm: nn.Module) -> list[str]:
+    """Warn, by name and size, about each parameter left outside every ``fully_shard`` unit (one the
+    LightningModule holds itself): it is not sharded and every rank keeps it whole. Returns the names."""
+    stray = [(n, p) for n, p in lm.named_parameters() if not isinstance(p, DTensor)]
+    if stray:
+        listed = ", ".join(f"{n} ({p.numel():,} elements)" for n, p in stray[:10])
+        warnings.warn(
+            f"{len(stray)} parameter(s) outside every FSDP unit, replicated whole on every rank (their gradients "
+            f"are averaged over the data-parallel ranks, as DDP does): {listed}. Cuboid shards the top-level "
+            "submodules of the LightningModule and their blocks; move these into a submodule (e.g. "
+            "self.head = nn.Linear(...)) to shard them.",
+            stacklevel=2,
+        )
+    return [n for n, _ in stray]
+
+
+def average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh) -> None:
+    """Keep replicated (stray) parameters in step: average each one's gradient over the data-parallel ranks as
+    it is accumulated (FSDP2 reduces only the parameters it manages)."""
+    if dp_mesh.size() == 1:
+        return
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+
+    def average(param: torch.Tensor) -> None:
+        torch.distributed.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    params = dict(lm.named_parameters())
+    for name in names:
+        params[name].register_post_accumulate_grad_hook(average)

@@ -1,0 +1,120 @@
+"""The Lightning side of a device mesh: :class:`MeshStrategy`, a ``ParallelStrategy`` whose processes form one
+named ``DeviceMesh``. It owns the mesh, the data-parallel group that samplers, logged values and metrics use, and
+the collectives Lightning asks a strategy for. :class:`cuboid.CuboidStrategy` builds on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from cuboid import compat
+
+
+class MeshStrategy(ParallelStrategy):
+    """A ``ParallelStrategy`` on one device mesh with a flattened data-parallel sub-mesh ``"dp"``: data is split
+    over ``dp`` only, ``reduce`` (``self.log(sync_dist=True)``) averages over ``dp``, decisions go over every rank.
+    Subclasses set ``_device_mesh``, ``_dp_mesh`` and ``_process_group_backend`` in ``setup_environment``."""
+
+    _device_mesh: DeviceMesh | None = None
+    _dp_mesh: DeviceMesh | None = None
+    _process_group_backend: str | None = None
+
+    # ------------------------------------------------------------------ layout and mesh
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ``("pp", "dp_replicate", "dp_shard", "tp")``."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._device_mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Process group of the data-parallel ranks (replicas x shards) that share this rank's tp/pp
+        coordinates. Pass it to torchmetrics (``Metric(process_group=strategy.dp_group)``) so
+        tensor-parallel peers, which see the same batch, are not counted twice."""
+        return self.dp_mesh.get_group()
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D mesh named ``"dp"``."""
+        if self._dp_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._dp_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split data over the data-parallel ranks only: tp (and pp) peers get the same batch."""
+        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not compat.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses):
+        tp and pp peers hold the same values and must not be counted again."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._device_mesh is not None:
+            group = self.dp_group
+        return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a decision over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...). Lightning's default
+        sums the flag over :meth:`reduce`'s data-parallel group and compares it with the world size: under tp or
+        pp the two never match."""
+        if not compat.distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,197 @@
+"""Where each parallelism is applied, one function each, in one visible order (torchtitan style).
+
+:func:`parallelize` runs, per model: tensor parallel (:func:`apply_tp`), activation
+checkpointing (:func:`apply_ac`), ``torch.compile`` (:func:`apply_compile`), then FSDP2
+(:func:`apply_fsdp`) per block and on each root module, with explicit forward/backward prefetch.
+None of these change parameter names (FQNs), so checkpoints read the same on any layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from cuboid.compat import SDPA_OPS, reads_kv_cache_only
+
+ACMode = Literal["full", "selective"]
+
+
+def check_ac_mode(mode: object) -> None:
+    """``activation_checkpointing`` is None or one of :data:`ACMode`'s values."""
+    allowed = get_args(ACMode)
+    if mode is not None and mode not in allowed:
+        raise ValueError(f"activation_checkpointing={mode!r}; choose None, {', '.join(map(repr, allowed))}.")
+
+
+# Ops whose outputs selective activation checkpointing keeps (the expensive ones, and the tensor-parallel
+# collectives, which a recompute would otherwise run again); the rest (norms, activations, elementwise) are
+# recomputed in backward.
+_SAC_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    *SDPA_OPS,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
+
+
+def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
+    """Shard the modules named in ``plan`` over the ``tp`` mesh (DTensor ``parallelize_module``)."""
+    if tp_mesh.size() == 1 or not plan:
+        return
+    parallelize_module(root, tp_mesh, dict(plan))
+
+
+def _sac_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+# Keyword arguments through which a Hugging Face layer reads *and updates* its KV cache. A checkpointed layer
+# must not get them in training: the recompute in backward would see the cache its own forward updated (a
+# different graph: selective checkpointing fails, full checkpointing recomputes against the wrong keys).
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _drop_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """What transformers' own ``GradientCheckpointingLayer`` does under gradient checkpointing: in training with
+    gradients, ``use_cache=False`` and no cache object (unless the layer only reads it)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    drop = [] if reads_kv_cache_only(module) else [n for n in _CACHE_KWARGS if kwargs.get(n) is not None]
+    if not (drop or kwargs.get("use_cache")):
+        return None  # nothing to change: no copy of the arguments on every block's forward
+    changed = {**kwargs, **dict.fromkeys(drop)}
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    return args, changed
+
+
+def apply_ac(blocks: Sequence[tuple[str, nn.Module]], mode: ACMode | None) -> None:
+    """Activation checkpointing per block, without wrapping (FQNs unchanged).
+
+    ``"full"`` recomputes the whole block in backward; ``"selective"`` keeps matmul and attention
+    outputs and recomputes the cheap ops in between. A block's KV-cache arguments (Hugging Face layers) are
+    dropped in training, before the checkpoint captures its inputs.
+    """
+    if mode is None:
+        return
+    context_fn = _sac_context if mode == "selective" else noop_context_fn
+    for _, block in blocks:
+        block.forward = _checkpointed(block.forward, context_fn)  # an instance attribute: names unchanged
+        block.register_forward_pre_hook(_drop_kv_cache, with_kwargs=True, prepend=True)
+
+
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+    """``forward`` under ``torch.utils.checkpoint``. Inside the block's own forward (not hooks around it), so that
+    ``compile=True`` traces the checkpoint with the block and applies the selective policy inside the compiled
+    graph, and FSDP2's hooks (all-gather before forward and before backward) stay outside the recompute."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile`` keeps parameter names)."""
+    for _, block in blocks:
+        block.compile()
+
+
+Part = tuple[nn.Module, Sequence[tuple[str, nn.Module]]]  # (root, its blocks): a model, or a pipeline stage
+
+
+def apply_fsdp(
+    parts: Sequence[Part],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+) -> None:
+    """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather.
+
+    Each block's parameters are all-gathered right before its forward and freed after it
+    (``reshard_after_forward=True``; the last block stays gathered until its backward, which follows at
+    once), and its gradients reduce-scattered in backward. A root (the
+    LightningModule's top-level child, or a pipeline stage) gets the leftover parameters
+    (embeddings, final norm, head) and is kept unsharded between forward and backward.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    for root, blocks in parts:
+        for i, (_, block) in enumerate(blocks):
+            # The last block's backward comes right after its forward (only the head's lies between): resharding
+            # it would free its parameters only to gather them again at once (torchtitan keeps it gathered too).
+            last = i == len(blocks) - 1 and reshard_after_forward is True
+            shard(block, reshard_after_forward=False if last else reshard_after_forward)
+        shard(root)
+        sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
+        for prev, nxt in zip(sharded, sharded[1:], strict=False):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+
+
+def parallelize(
+    parts: Sequence[Part],
+    *,
+    tp_root: nn.Module,
+    tp_mesh: DeviceMesh,
+    tp_plan: Mapping[str, ParallelStyle],
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    activation_checkpointing: ACMode | None,
+    compile: bool,
+    reshard_after_forward: bool | int,
+    cpu_offload: bool,
+) -> None:
+    """Apply TP -> AC -> compile -> FSDP2, in that order: tensor parallel first (DTensor parameters), then
+    checkpointing and compilation of the sharded blocks, FSDP2 last (it shards whatever TP left).
+
+    ``tp_plan`` names modules relative to ``tp_root``; ``parts`` are the FSDP roots with their blocks.
+    """
+    apply_tp(tp_root, tp_mesh, tp_plan)
+    blocks = [b for _, part_blocks in parts for b in part_blocks]
+    apply_ac(blocks, activation_checkpointing)
+    if compile:
+        apply_compile(blocks)
+    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
+
+
+def check_no_fsdp1(module: nn.Module) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``) wrappers: Cuboid applies FSDP2 itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [
+        name or type(module).__name__ for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise TypeError(
+            f"Found modules wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1): {wrapped[:3]}. "
+            "CuboidStrategy applies FSDP2 (fully_shard) itself: remove the FSDP wrapping from your model or "
+            "configure_model."
+        )
+
+
+def is_parallelized_by_user(module: nn.Module) -> bool:
+    """True when configure_model already applied fully_shard or made DTensor parameters."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )

@@ -1,0 +1,173 @@
+"""Declarative plans: which modules are the repeated blocks, and how tensor parallel splits them.
+
+A tensor-parallel plan is plain data, a mapping of module-name glob to style string, e.g.
+``{"model.layers.*.attention.wq": "colwise"}``. Names are as seen from the LightningModule.
+This module resolves the plan (user's, else the model's own ``tp_plan``, else a Hugging Face
+style ``_tp_plan`` / ``base_model_tp_plan``), checks it against the model and the tp size
+before any work starts, and turns styles into DTensor ``ParallelStyle`` objects.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from cuboid.parallel.styles import PlanError, canonical_style, sharded_size, to_parallel_style
+
+__all__ = [
+    "PlanError",
+    "canonical_style",
+    "check_tp_divisibility",
+    "find_blocks",
+    "find_model_plan",
+    "match_plan",
+    "parallel_plan",
+    "resolve_plan",
+    "to_parallel_style",
+]
+
+
+def find_model_plan(root: nn.Module) -> dict[str, str]:
+    """The plan a model carries, with keys prefixed by where the model sits inside ``root``.
+
+    Looks, outermost first, for a ``tp_plan`` attribute (Cuboid's reference models), a Hugging
+    Face ``_tp_plan`` attribute, or ``config.base_model_tp_plan``. Hugging Face base-model plans
+    are relative to the base model (``model.model`` inside a ``*ForCausalLM``).
+    """
+    plan: dict[str, str] = {}
+    for name, module in root.named_modules():
+        prefix = f"{name}." if name else ""
+        own = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
+        if not own:
+            config = getattr(module, "config", None)
+            own = getattr(config, "base_model_tp_plan", None) if config is not None else None
+            if own and not _looks_like_base_model(module):
+                own = None
+        if isinstance(own, Mapping):
+            for key, style in own.items():
+                plan.setdefault(prefix + key, style)
+    return plan
+
+
+def _looks_like_base_model(module: nn.Module) -> bool:
+    return hasattr(module, "layers") or hasattr(module, "h")
+
+
+def match_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[nn.Module, str]]:
+    """Expand globs to concrete module names: ``{name: (module, style)}``.
+
+    Raises :class:`PlanError` for an unknown style or a pattern that matches no module.
+    """
+    modules = dict(root.named_modules())
+    matched: dict[str, tuple[nn.Module, str]] = {}
+    for pattern, style in plan.items():
+        name = canonical_style(style, pattern)
+        hits = [m for m in modules if m and fnmatch.fnmatchcase(m, pattern)]
+        if not hits:
+            params = [n for n, _ in root.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+            if params:
+                raise PlanError(
+                    f"Tensor-parallel plan pattern {pattern!r} ({style!r}) names parameters ({params[:2]}), not modules; "
+                    "Cuboid applies styles to modules only. Leave the entry out (the parameter stays replicated over "
+                    "tp and sharded by FSDP) or give the plan its owning module."
+                )
+            close = [m for m in modules if m and m.split(".")[-1] == pattern.split(".")[-1]][:3]
+            hint = f" Modules with that last name: {close}." if close else ""
+            raise PlanError(
+                f"Tensor-parallel plan pattern {pattern!r} matches no module of {type(root).__name__}. "
+                f"Keys are module names as seen from the LightningModule (e.g. 'model.layers.*.attention.wq' "
+                f"when the network is self.model).{hint}"
+            )
+        for hit in hits:
+            matched[hit] = (modules[hit], name)
+    return matched
+
+
+_HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads")
+
+
+def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module, str]], tp: int) -> None:
+    """Fail early when ``tp`` does not divide a sharded dimension or a head count."""
+    if tp == 1:
+        return
+    problems: list[str] = []
+    for name, (module, style) in matched.items():
+        split = sharded_size(module, style)
+        if split is not None and split[0] % tp != 0:
+            problems.append(
+                f"{name} ({type(module).__name__}, {style}): {split[1]} {split[0]} is not divisible by tp={tp}"
+            )
+    parents = {n.rsplit(".", 1)[0] for n in matched if "." in n}
+    modules = dict(root.named_modules())
+    for parent in sorted(parents):
+        owner = modules.get(parent)
+        config = getattr(owner, "config", None)  # Hugging Face attention modules keep head counts there
+        for source, where in ((owner, parent), (config, f"{parent}.config")):
+            for attr in _HEAD_ATTRS:
+                heads = getattr(source, attr, None)
+                if isinstance(heads, int) and heads % tp != 0:
+                    problems.append(f"{where}.{attr} = {heads} is not divisible by tp={tp}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise PlanError(
+            f"tensor_parallel={tp} does not fit the model: {shown}. Choose a tensor_parallel size that divides "
+            f"these sizes, or leave those modules out of the plan."
+        )
+
+
+def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> dict[str, tuple[nn.Module, str]]:
+    """The tensor-parallel plan that applies to ``root`` (a LightningModule) at this ``tp``, checked.
+
+    ``plan``: the user's, else the model's own (:func:`find_model_plan`). Refuses, before any work, a plan that
+    does not fit ``tp``, and ``tp > 1`` without any plan.
+    """
+    if tp == 1:
+        return {}
+    matched = match_plan(root, plan if plan is not None else find_model_plan(root))
+    check_tp_divisibility(root, matched, tp)
+    if not matched:
+        raise PlanError(
+            f"tensor_parallel={tp} but {type(root).__name__} carries no tensor-parallel plan. Pass "
+            "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
+        )
+    return matched
+
+
+def parallel_plan(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, ParallelStyle]:
+    """Concrete module names -> DTensor styles, for ``parallelize_module``."""
+    styles = {name: to_parallel_style(style) for name, (_, style) in matched.items()}
+    return {name: style for name, style in styles.items() if style is not None}
+
+
+def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The repeated unit of the model: children of a ModuleList/ModuleDict that share one class.
+
+    These are the units of FSDP sharding, activation checkpointing and pipeline splitting. With
+    ``container`` (e.g. ``"model.layers"``) the choice is explicit; otherwise the container with
+    the most same-class children wins (ties: the outermost). Returns ``[(name, module), ...]``.
+    """
+    modules = dict(root.named_modules())
+    if container is not None:
+        found = modules.get(container)
+        if not isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+            candidates = [n for n, m in modules.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+            raise PlanError(
+                f"block container {container!r} is not a ModuleList/ModuleDict of {type(root).__name__}. "
+                f"Candidates: {candidates[:8]}."
+            )
+        return [(f"{container}.{k}", m) for k, m in found.named_children()]
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in modules.items():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        if not any(True for _ in children[0][1].parameters()):
+            continue
+        if len(children) > len(best):
+            best = [(f"{name}.{k}" if name else k, c) for k, c in children]
+    return best

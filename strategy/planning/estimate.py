@@ -1,0 +1,259 @@
+"""What a layout costs before it runs: per-GPU memory and step time of a Llama-shaped decoder, by formula.
+
+Memory, per rank, on the fullest pipeline stage (AdamW; FSDP2 keeps sharded parameters in their own dtype, fp32
+under ``bf16-mixed``, and gathers them in the compute dtype):
+
+* persistent: parameters, gradients and the two AdamW moments, each ``stage parameters / (dp_shard x tp)`` (norm
+  weights are replicated over ``tp``, as Cuboid's plans leave them), dtype bytes each: 16 B per parameter in fp32
+  or ``bf16-mixed``, 8 B in ``bf16-true``. ``cpu_offload`` moves all three to host memory.
+* gathered: FSDP2's unsharded copies in the compute dtype: two blocks in flight (this one and the prefetched
+  next), their unsharded gradients in the reduce dtype, and the stage root's embedding / output matrices. Under
+  pp the whole stage stays gathered, with unsharded gradients, from the first micro-batch to the last (torch's
+  pipeline stage turns resharding after backward and gradient sync off in between).
+* activations, per micro-batch and block, counted tensor by tensor from what autograd keeps for the reference
+  Llama (RMSNorm's fp32 upcast, rotary in fp32, SDPA's q, k, v, output and log-sum-exp, SwiGLU's three ``ffn``-wide
+  tensors): ``30 bsh + 8 bs kv + 8 bsf`` bytes in bf16 (``b`` sequences, ``s`` tokens, ``h`` dim, ``kv`` the
+  key/value width, ``f`` the ffn width). Selective checkpointing keeps matmul and attention outputs only
+  (``10 bsh + 4 bs kv + 4 bsf``); full keeps each block's input (``2 bsh``) plus one block's full set while it is
+  recomputed. Sequence parallelism divides all of it by ``tp``. A 1F1B stage holds up to ``pp`` micro-batches.
+* logits: the last stage's ``b s V / tp`` logits in the compute dtype, their fp32 copy for the loss and its
+  gradient (10 B per logit in bf16).
+
+Step time: the FLOPs (6 x matmul parameters x tokens + 12 x layers x dim x seq per token for attention,
+``ANCHORS.md``, plus what checkpointing recomputes: each block's forward under full, every second block matmul
+under torchtitan's op-level selective) at ``peak x efficiency``, plus the exposed part of each
+collective, each costed with an alpha-beta model on the link it crosses: NVLink when its group lies within a node
+(``tp`` is innermost), the network otherwise. FSDP's all-gathers and reduce-scatters overlap compute (exposed: what
+exceeds it, plus the first block's); tensor parallel's run in the critical path (asynchronous TP hides
+``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from cuboid.planning.shapes import GIB, GPUS, Hardware, Setup, Shape
+
+__all__ = ["GIB", "GPUS", "Hardware", "Setup", "Shape"]  # (re-exported: the estimate's inputs)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU on the fullest stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+    logits: float
+    host: float  # moved to host memory by cpu_offload
+    imbalance: float  # the fullest stage's total / the mean stage's (pipeline stage imbalance)
+
+    @property
+    def persistent(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.persistent + self.gathered + self.activations + self.logits
+
+
+def dtype_bytes(precision: str) -> tuple[int, int, int]:
+    """(stored parameter, compute, gradient reduce) bytes per element."""
+    if precision == "32-true":
+        return 4, 4, 4
+    if precision == "bf16-true":
+        return 2, 2, 2
+    return 4, 2, 4  # bf16-mixed: fp32 shards, bf16 compute, fp32 reduce (Cuboid's MixedPrecisionPolicy)
+
+
+def stage_blocks(shape: Shape, stages: int) -> list[int]:
+    """Blocks per pipeline stage, as even as they go (the first stages take one more)."""
+    per, extra = divmod(shape.layers, stages)
+    return [per + (1 if stage < extra else 0) for stage in range(stages)]
+
+
+def rank_stages(s: Setup) -> list[list[int]]:
+    """The stages each pp rank runs (Cuboid's own assignment, :func:`cuboid.pipeline.stages.stage_ids`)."""
+    from cuboid.pipeline.stages import stage_ids
+
+    return [stage_ids(r, s.pp, s.virtual_stages, s.schedule) for r in range(s.pp)]
+
+
+def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:
+    """Per pp rank: (tp-sharded, tp-replicated, root matrix parameters, blocks). The embedding goes with the first
+    stage, norm and output with the last (a tied matrix is held by both when they are different stages)."""
+    n_stages = s.pp * s.virtual_stages
+    blocks = stage_blocks(shape, n_stages)
+    out = []
+    for stages in rank_stages(s):
+        root, replicated, n_blocks = 0, 0, 0
+        for stage in stages:
+            n_blocks += blocks[stage]
+            if stage == 0:
+                root += shape.vocab * shape.dim
+            if stage == n_stages - 1:
+                replicated += shape.dim
+                if not (shape.tied and n_stages == 1):
+                    root += shape.vocab * shape.dim
+        replicated += n_blocks * shape.block_norms
+        out.append((n_blocks * shape.block_tp + root, replicated, root, n_blocks))
+    return out
+
+
+def activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int) -> float:
+    """What autograd keeps for one block and micro-batch (the module docstring's count), scaled from bf16."""
+    bsh, bskv, bsf = b * seq * shape.dim, b * seq * shape.kv_dim, b * seq * shape.ffn
+    scale = compute / 2
+    if ac == "full":
+        kept = 2 * bsh
+    elif ac == "selective":  # Cuboid's: every matmul and attention output kept, the rest recomputed
+        kept = 10 * bsh + 4 * bskv + 4 * bsf
+    elif ac == "selective_op":  # torchtitan's: the same but every second matmul recomputed (wq, wv, w1, w2 kept)
+        kept = 8 * bsh + 2 * bskv + 2 * bsf
+    else:
+        kept = 30 * bsh + 8 * bskv + 8 * bsf
+    return kept * scale / tp
+
+
+def memory(shape: Shape, s: Setup) -> Memory:
+    """Per-GPU bytes of training ``shape`` with setup ``s`` on its fullest stage (see the module docstring)."""
+    per_stage = [rank_memory(shape, s, stage) for stage in range(s.pp)]
+    worst = max(per_stage, key=lambda m: m.total)
+    mean = sum(m.total for m in per_stage) / len(per_stage)
+    return replace(worst, imbalance=worst.total / mean if mean else 1.0)
+
+
+def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
+    """Per-GPU bytes on the ranks of pipeline rank ``stage`` (every rank when ``pp == 1``)."""
+    stored, compute, reduce = dtype_bytes(s.precision)
+    sharded, replicated, root, n_blocks = rank_params(shape, s)[stage]
+    n = sharded / (s.tp * s.dp_shard) + replicated / s.dp_shard
+    params, grads, opt = n * stored, n * stored, 2 * n * stored
+    host = 0.0
+    if s.cpu_offload:
+        host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
+    block = shape.block_tp / s.tp + shape.block_norms
+    if s.pp > 1:  # the stage keeps its parameters gathered and accumulates unsharded gradients until the last
+        # micro-batch (torch's pipeline stage: no resharding after backward, no gradient sync in between)
+        gathered = (sharded / s.tp + replicated) * (compute + reduce)
+    elif s.dp_shard > 1:
+        gathered = 2 * block * compute + 2 * block * reduce + root / s.tp * compute
+    else:
+        gathered = 0.0
+    micro = s.batch / s.m
+    per_block = activation_bytes_per_block(shape, micro, s.seq, s.ac, compute, s.tp)
+    acts = per_block * n_blocks * in_flight(s, stage) / s.virtual_stages
+    if s.ac == "full":  # one block's full set while it is recomputed for backward
+        acts += activation_bytes_per_block(shape, micro, s.seq, None, compute, s.tp)
+    last = s.pp * s.virtual_stages - 1
+    holds_output = any(st == last for st in rank_stages(s)[stage])
+    logits = micro * s.seq * shape.vocab / s.tp * (compute + 4 + 4) if holds_output else 0.0
+    return Memory(params, grads, opt, gathered, acts, logits, host, 1.0)
+
+
+def in_flight(s: Setup, rank: int) -> float:
+    """Micro-batches whose activations a pp rank holds at its peak, in units of its whole stage set (a virtual
+    stage's chunk counts 1 / v): 1F1B ``pp - rank``; interleaved, Megatron-LM's warm-up ``2 (pp - rank - 1) +
+    (v - 1) pp`` chunks plus one; GPipe all of them."""
+    if s.pp == 1:
+        return 1.0
+    if s.schedule == "GPipe":
+        return float(s.m)
+    if s.virtual_stages == 1:
+        return float(min(s.m, s.pp - rank))
+    chunks = 2 * (s.pp - rank - 1) + (s.virtual_stages - 1) * s.pp + 1
+    return min(s.m * s.virtual_stages, chunks) / 1.0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    fsdp: float  # exposed
+    hsdp: float
+    tp: float
+    bubble: float
+    p2p: float
+    optimizer: float
+    tokens_per_gpu: float  # tokens of one optimizer step per GPU (global tokens / world)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.fsdp + self.hsdp + self.tp + self.bubble + self.p2p + self.optimizer
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_gpu / self.total
+
+
+def _ring(size: int, nbytes: float, bandwidth: float, alpha: float) -> float:
+    """An all-gather or reduce-scatter of ``nbytes`` (the full, gathered size) over a ring of ``size`` ranks."""
+    if size <= 1:
+        return 0.0
+    return (size - 1) * alpha + nbytes * (size - 1) / size / bandwidth
+
+
+def _link(hw: Hardware, span: int) -> tuple[float, float]:
+    """(bandwidth, alpha) of a group whose ranks are ``span`` apart in the world at most (mesh order pp, dp_replicate,
+    dp_shard, tp: inner groups are neighbours)."""
+    return (hw.nvlink, hw.alpha_nvlink) if span <= hw.gpus_per_node else (hw.network, hw.alpha_network)
+
+
+def recompute_flops_per_token(shape: Shape, s: Setup) -> float:
+    """FLOPs per token that activation checkpointing repeats: full, each block's forward (its matmuls and
+    attention); torchtitan's op-level selective, every second block matmul; Cuboid's selective, none."""
+    block_forward = 2 * shape.block_tp * shape.layers
+    if s.ac == "full":
+        return block_forward + 4 * shape.layers * shape.q_dim * s.seq
+    if s.ac == "selective_op":
+        return block_forward / 2
+    return 0.0
+
+
+def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_gain: float = 1.0,
+              fp8_gain: float = 1.0) -> StepTime:  # fmt: skip
+    """Seconds per optimizer step and tokens/s per GPU. ``efficiency``: the fraction of peak the matmuls reach
+    (calibrated, see cuboid.planning.planner); ``compile_gain`` and ``fp8_gain``: speed-ups of compute with
+    ``torch.compile`` and float8 matmuls."""
+    _, compute_b, reduce_b = dtype_bytes(s.precision)
+    tokens_dp = s.batch * s.seq  # per data-parallel rank and step
+    per_token = shape.flops_per_token(s.seq) + recompute_flops_per_token(shape, s)
+    flops = per_token * tokens_dp / (s.tp * s.pp)
+    math_kind = "fp32" if s.precision == "32-true" else "bf16"
+    speed = hw.peak[math_kind] * efficiency * (compile_gain if s.compile else 1.0) * (fp8_gain if s.fp8 else 1.0)
+    compute = flops / speed
+    # FSDP: all-gather in forward (and again in backward when resharding), reduce-scatter of gradients.
+    ranks = rank_params(shape, s)
+    stage = max(sharded / s.tp + replicated for sharded, replicated, _, _ in ranks)
+    blocks = max(n for *_, n in ranks)
+    bw, alpha = _link(hw, s.tp * s.dp_shard)
+    reshard = s.reshard_after_forward if s.reshard_after_forward is not None else s.pp == 1
+    gather_b = 1 if s.fp8 else compute_b
+    gathers = (2 if reshard else 1) * _ring(s.dp_shard, stage * gather_b, bw, alpha * (blocks + 1))
+    scatters = _ring(s.dp_shard, stage * reduce_b, bw, alpha * (blocks + 1))
+    fsdp_total = gathers + scatters
+    fsdp = max(0.0, fsdp_total - compute) + fsdp_total / max(blocks, 1)  # the first block's is never hidden
+    bw_r, alpha_r = _link(hw, s.world // s.pp)
+    hsdp = 2 * _ring(s.dp_replicate, stage / s.dp_shard * reduce_b, bw_r, alpha_r) if s.dp_replicate > 1 else 0.0
+    # Tensor parallel (sequence parallel): per block and micro-batch, 2 all-gathers + 2 reduce-scatters in forward
+    # and 2 + 2 in backward, of b s h in the compute dtype; full checkpointing repeats the forward ones.
+    bw_t, alpha_t = _link(hw, s.tp)
+    per = _ring(s.tp, tokens_dp / s.m * shape.dim * compute_b, bw_t, alpha_t)  # one collective, one micro-batch
+    tp = per * blocks * s.m * (8 + (4 if s.ac == "full" else 0)) if s.tp > 1 else 0.0
+    if s.async_tp:
+        tp *= 0.5
+    bubble = p2p = 0.0
+    if s.pp > 1:
+        bubble = (compute + tp) * (s.pp - 1) / s.virtual_stages / s.m
+        bw_p, alpha_p = _link(hw, s.world // s.pp * 2)
+        act = tokens_dp / s.m * shape.dim * compute_b / s.tp
+        p2p = 2 * (s.pp - 1) * (alpha_p + act / bw_p)
+    optimizer = stage / s.dp_shard * 16 * 2 / hw.hbm  # read and write params, grads and moments once
+    return StepTime(compute, fsdp, hsdp, tp, bubble, p2p, optimizer, tokens_dp * s.dp_replicate * s.dp_shard / s.world)
+
+
+def fits(mem: Memory, hw: Hardware, headroom: float = 0.9) -> bool:
+    """Within ``headroom`` of the GPU's memory (the allocator's cache and fragmentation take the rest)."""
+    return mem.total <= headroom * hw.memory and not math.isnan(mem.total)

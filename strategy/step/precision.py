@@ -1,0 +1,111 @@
+"""Trainer precision, mapped onto FSDP2's MixedPrecisionPolicy, and global-norm gradient clipping.
+
+Lightning picks an autocast plugin for ``bf16-mixed`` and a module-casting one for ``bf16-true``
+when the strategy is not one of its own. Under FSDP2 neither is right: FSDP2 casts the
+all-gathered parameters itself. :class:`CuboidPrecision` replaces whatever plugin Lightning
+chose, keeps Lightning's own precision name, and owns gradient clipping (the norm is global
+across all shards, see :mod:`cuboid.step.grad_norm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from cuboid.step.grad_norm import clip_grad_norm_, global_grad_norm
+from cuboid.step.nonfinite import NonFiniteGuard
+
+SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class CuboidPrecision(Precision):
+    """Precision plugin for :class:`~cuboid.CuboidStrategy`.
+
+    * ``"32-true"``: fp32 everywhere.
+    * ``"bf16-mixed"``: fp32 sharded parameters and optimizer state; FSDP2 all-gathers bf16
+      copies for compute and reduces gradients in fp32.
+    * ``"bf16-true"``: the model itself is bf16 (parameters, gradients, optimizer state).
+    """
+
+    def __init__(
+        self,
+        precision: str = "32-true",
+        device_mesh: DeviceMesh | None = None,
+        flattened_dims: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        """``device_mesh`` (with ``flattened_dims``, names of flattened sub-meshes -> the dims they cover): the
+        mesh the gradient norm is reduced over; the strategy makes its plugin with it once the mesh exists."""
+        if precision not in SUPPORTED:
+            raise ValueError(
+                f"CuboidStrategy does not support precision={precision!r}. Choose one of {', '.join(SUPPORTED)}."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.device_mesh = device_mesh
+        self.flattened_dims: Mapping[str, tuple[str, ...]] = dict(flattened_dims or {})
+        self.last_grad_norm: torch.Tensor | None = None
+        self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
+        self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
+
+    @contextmanager
+    @override
+    def module_init_context(self) -> Generator[None, None, None]:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.param_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.last_grad_norm = clip_grad_norm_(
+            params, float(clip_val), self.device_mesh, self.flattened_dims, self.counted_elsewhere
+        )
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Lightning's order (closure: step and backward; then ``on_before_optimizer_step`` and clipping), with the
+        non-finite check (``nonfinite=``) between the closure and the optimizer step when it is on."""
+        if not self.nonfinite.enabled:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        loss = self._wrap_closure(model, optimizer, closure)
+        norm = self.last_grad_norm
+        if model.trainer.gradient_clip_val is None:  # not clipped: nothing measured the norm yet
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = global_grad_norm(params, self.device_mesh, self.flattened_dims, self.counted_elsewhere)
+        device = loss.device if isinstance(loss, torch.Tensor) else (norm.device if norm is not None else "cpu")
+        if not self.nonfinite.step_is_finite(loss, norm, model.trainer.global_step, torch.device(device)):
+            return loss
+        return optimizer.step(**kwargs)

@@ -1,0 +1,150 @@
+"""The reference Llama: plain PyTorch, pipeline-ready, initialised the same eagerly and from meta."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuboid.models import CONFIGS, TP_PLAN, TP_PLAN_NO_SP, Llama, LlamaConfig
+from cuboid.parallel.materialize import init_module
+
+CFG = LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def test_forward_shapes_and_causality() -> None:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = torch.randint(0, 128, (2, 10))
+    logits = model(tokens)
+    assert logits.shape == (2, 10, 128)
+    changed = tokens.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 128
+    # positions before the change see the same prefix, so their logits must not move
+    assert torch.equal(model(changed)[:, :6], logits[:, :6])
+    assert not torch.allclose(model(changed)[:, 6:], logits[:, 6:])
+
+
+def test_pipeline_ready_pieces_can_be_missing() -> None:
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = torch.randint(0, 128, (2, 8))
+    full = model(tokens)
+    hidden = model.tok_embeddings(tokens)
+    first = Llama(CFG)
+    first.load_state_dict(model.state_dict())
+    first.norm, first.output = None, None
+    del first.layers["1"]
+    last = Llama(CFG)
+    last.load_state_dict(model.state_dict())
+    last.tok_embeddings = None
+    del last.layers["0"]
+    torch.testing.assert_close(last(first(tokens)), full)
+    assert first(tokens).shape == hidden.shape
+
+
+def test_meta_init_then_init_weights_equals_eager_init() -> None:
+    torch.manual_seed(3)
+    eager = Llama(CFG)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = Llama(CFG)
+    meta.to_empty(device="cpu")
+    init_module(meta)
+    for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(("name", "billions"), [("8b", 8.03), ("70b", 70.55)])
+def test_named_sizes_match_the_model_cards(name: str, billions: float) -> None:
+    with torch.device("meta"):
+        model = Llama(name)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / 1e9 - billions) < 0.01
+    assert count == CONFIGS[name].num_params()
+
+
+def test_tp_plan_names_real_modules() -> None:
+    import fnmatch
+
+    names = [n for n, _ in Llama(CFG).named_modules()]
+    for pattern in [*TP_PLAN, *TP_PLAN_NO_SP]:
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
+
+
+def test_models_hold_no_parallel_code() -> None:
+    for path in (Path(__file__).resolve().parents[2] / "models").glob("*.py"):
+        imports = [line for line in path.read_text().splitlines() if line.lstrip().startswith(("import ", "from "))]
+        assert not [line for line in imports if "distributed" in line], path
+
+
+def test_model_size_configs_are_generated_from_the_code() -> None:
+    """conf/model/*.yaml are written from cuboid.models.CONFIGS (one source of truth): they may not drift."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "model_configs.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# Fields of Meta's published config.json files (meta-llama/Llama-3.2-1B; meta-llama/Llama-3.1-8B), as facts.
+_LLAMA32_1B = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+_LLAMA31_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "vocab_size": 128256,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "published"), [("1b", _LLAMA32_1B), ("8b", _LLAMA31_8B)])
+def test_named_sizes_are_the_published_llama_3_configs(name: str, published: dict) -> None:
+    from cuboid.models.llama import check_hf_config, hf_config
+
+    assert check_hf_config(CONFIGS[name], published) == []
+    ours = hf_config(CONFIGS[name])
+    for key, value in published.items():
+        assert ours[key] == value, (key, ours[key], value)
+    other = {**published, "rope_scaling": {**published["rope_scaling"], "factor": 2.0}}
+    assert check_hf_config(CONFIGS[name], other) == [
+        f"rope scaling factor: 2.0 there, {CONFIGS[name].rope_scaling} here"
+    ]
+
+
+def test_flops_per_token_leaves_out_the_embedding_lookup() -> None:
+    """6N counts the parameters used in matmuls: not the input embedding (a lookup), but a tied head's matrix."""
+    from cuboid.models import CausalLM
+
+    for name in ("150m", "1b", "8b"):
+        cfg = CONFIGS[name]
+        blocks = cfg.num_params() - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2) - cfg.dim
+        assert cfg.matmul_params() == blocks + cfg.vocab_size * cfg.dim + cfg.dim
+        lm = CausalLM(model=name)
+        assert lm.flops_per_token(2048) == 6 * cfg.matmul_params() + 12 * cfg.n_layers * cfg.dim * 2048
+    # 150m untied: counting the embedding too made 6N 19% larger
+    cfg = CONFIGS["150m"]
+    assert 1.15 < cfg.num_params() / cfg.matmul_params() < 1.2
+
+
+def test_peak_flops_by_precision_and_exact_gpu_model() -> None:
+    from cuboid.callbacks import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16-mixed") == 756e12
+    assert peak_flops("NVIDIA H200", "bf16-true") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "32-true") == 67e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "32-true", tf32=True) == 494e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "16-mixed") == 312e12
+    assert peak_flops("Tesla T4", "bf16-mixed") is None

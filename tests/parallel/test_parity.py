@@ -1,0 +1,292 @@
+"""Parity: every layout trains like single-process fp32 (same seed, data, AdamW, clipping).
+
+The bound, the same for every layout and never loosened: each step's loss within relative
+1e-5 of the reference, and every element of every final parameter within 1e-5 (absolute). The
+tests also check that the layout is real: DTensor placements and local shapes, per-rank bytes
+of parameters + gradients + optimizer state about total / (dp_shard x tp), tensor-parallel peers
+fed the same batch and data-parallel ranks disjoint ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from harness import WORKERS, torchrun
+from parity_lib import CLIP, reference_run
+
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "tok_embeddings.weight", "output.weight")
+ROWWISE = ("wo.weight", "w2.weight")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One parity run: processes, CuboidStrategy arguments, accumulate_grad_batches, meta-device init."""
+
+    world: int
+    strategy: dict
+    accumulate: int = 1
+    meta_init: bool = False
+
+
+RUNS: dict[str, Run] = {}
+for layout, world, kwargs in [
+    ("dp2", 2, {}),
+    ("tp2", 2, {"tensor_parallel": 2}),
+    ("dp2xtp2", 4, {"tensor_parallel": 2}),
+    ("hsdp2x2", 4, {"data_parallel_replicate": 2}),
+]:
+    RUNS[f"{layout}"] = Run(world, kwargs)
+    RUNS[f"{layout}-ac_full"] = Run(world, {**kwargs, "activation_checkpointing": "full"})
+    RUNS[f"{layout}-ac_selective"] = Run(world, {**kwargs, "activation_checkpointing": "selective"})
+    RUNS[f"{layout}-accum2"] = Run(world, kwargs, accumulate=2)
+RUNS["dp2xtp2-meta_init"] = Run(4, {"tensor_parallel": 2}, meta_init=True)
+# HSDP composed with TP (replicate 2 x shard 2 x tp 2), partial resharding after forward, compiled blocks.
+RUNS["hsdp2x2xtp2"] = Run(8, {"data_parallel_replicate": 2, "tensor_parallel": 2})
+RUNS["dp4-reshard_after_forward2"] = Run(4, {"reshard_after_forward": 2})
+RUNS["dp2-compile-ac_selective"] = Run(2, {"compile": True, "activation_checkpointing": "selective"})
+# Pipeline parallel: every schedule at pp=2, then pp composed with dp and tp, and the 8-process 3D cube.
+PP = {"pipeline_parallel": 2}
+RUNS["pp2-1F1B"] = Run(2, PP)
+RUNS["pp2-GPipe-accum2"] = Run(2, {**PP, "pipeline_schedule": "GPipe"}, accumulate=2)
+RUNS["pp2-Interleaved1F1B-ac_full"] = Run(
+    2, {**PP, "pipeline_schedule": "Interleaved1F1B", "activation_checkpointing": "full"}
+)
+RUNS["pp2-InterleavedZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"})
+RUNS["pp2-ZBVZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "ZBVZeroBubble"})
+RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2)
+RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = Run(
+    4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True
+)
+RUNS["pp2xdp2xtp2-1F1B"] = Run(8, {**PP, "tensor_parallel": 2})
+RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = Run(
+    8,
+    {
+        **PP,
+        "tensor_parallel": 2,
+        "pipeline_schedule": "Interleaved1F1B",
+        "microbatches": 4,
+        "activation_checkpointing": "selective",
+    },
+    accumulate=2,
+)
+
+
+# Pipelined runs that must stop before the first step, with a message that says what to change.
+PIPELINE_ERRORS = [
+    # 92 samples in batches of 8: the last batch holds 4, which 8 microbatches cannot split.
+    {
+        "name": "err-partial-last-batch",
+        "expect_error": True,
+        "samples": 92,
+        "batch_size": 8,
+        "strategy": {"pipeline_parallel": 2, "microbatches": 8},
+    },
+    {
+        "name": "err-batch-6-microbatches-4",
+        "expect_error": True,
+        "batch_size": 6,
+        "strategy": {"pipeline_parallel": 2, "microbatches": 4},
+    },
+    {
+        "name": "err-step-without-model-call",
+        "expect_error": True,
+        "module": "no_model_call",
+        "strategy": {"pipeline_parallel": 2},
+    },
+]
+
+
+# layout -> (max relative loss error, max abs parameter error); printed at the end of the run.
+PARITY_TABLE: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("parity")
+    for world in sorted({run.world for run in RUNS.values()}):
+        specs = [
+            {"name": name, "strategy": run.strategy, "accumulate": run.accumulate, "meta_init": run.meta_init}
+            for name, run in RUNS.items()
+            if run.world == world
+        ]
+        if world == 2:
+            specs += PIPELINE_ERRORS
+        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
+    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RUNS}
+    loaded.update({s["name"]: json.loads((out / f"{s['name']}.error.json").read_text()) for s in PIPELINE_ERRORS})
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[int, object]:
+    return {acc: reference_run(acc) for acc in (1, 2)}
+
+
+def test_reference_clips_on_some_steps_only(references) -> None:
+    for acc, ref in references.items():
+        clipped = [n > CLIP[acc] for n in ref.grad_norms]
+        assert any(clipped) and not all(clipped), (acc, ref.grad_norms)
+        assert len(ref.grad_norms) >= 6 and len(ref.losses) >= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_loss_and_parameters_match_single_process(name: str, results, references) -> None:
+    got, ref = results[name], references[RUNS[name].accumulate]
+    assert len(got["losses"]) == len(ref.losses) >= 12
+    rel = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref.losses, strict=True)]
+    assert max(rel) <= LOSS_RTOL, f"{name}: per-step relative loss error {max(rel):.2e}"
+    err = {k: (got["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items()}
+    worst = max(err, key=err.get)
+    PARITY_TABLE[name] = (max(rel), err[worst])
+    assert err[worst] <= PARAM_ATOL, f"{name}: {worst} max abs error {err[worst]:.2e}"
+    assert abs(got["grad_norm"] - ref.grad_norms[-1]) <= LOSS_RTOL * ref.grad_norms[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in RUNS if "-" not in n and not n.startswith("pp")])
+def test_layout_is_real(name: str, results) -> None:
+    world, kwargs = RUNS[name].world, RUNS[name].strategy
+    tp, rep = kwargs.get("tensor_parallel", 1), kwargs.get("data_parallel_replicate", 1)
+    shard = world // (tp * rep)
+    ranks = results[name]["ranks"]
+    for facts in ranks:
+        for pname, (dims, placements, local, full) in facts["placements"].items():
+            is_tp = tp > 1 and pname.endswith(COLWISE + ROWWISE)
+            is_norm = tp > 1 and pname.endswith("norm.weight")  # sequence parallel: replicated over tp
+            expected_dims = ("dp_replicate", "dp_shard") if rep > 1 else ("dp_shard",)
+            assert tuple(dims) == expected_dims + (("tp",) if is_tp or is_norm else ()), (pname, dims)
+            if is_norm:
+                assert placements[-1] == "R", (pname, placements)
+            if rep > 1:
+                assert placements[0] == "R", (pname, placements)
+            if is_tp:
+                assert placements[-1] == ("S(0)" if pname.endswith(COLWISE) else "S(1)"), (pname, placements)
+            divisor = shard * (tp if is_tp else 1)
+            assert abs(torch.Size(local).numel() * divisor - torch.Size(full).numel()) <= divisor * full[-1], pname
+        assert len(facts["placements"]) == 39  # every parameter of the model is a DTensor
+    # Per-rank persistent bytes: fp32 params + grads + AdamW (exp_avg, exp_avg_sq) = 16 B/param / (shard x tp).
+    total = sum(torch.Size(f).numel() for *_, f in ranks[0]["placements"].values())
+    ideal = 16 * total / (shard * tp)
+    for facts in ranks:
+        got = sum(facts["bytes"].values())
+        assert 0.97 * ideal <= got <= 1.05 * ideal, (facts["rank"], got, ideal)
+    # Data: tp peers (same dp index) see the same samples; different dp indices see disjoint ones.
+    by_dp: dict[int, list] = {}
+    for facts in ranks:
+        by_dp.setdefault(facts["dp_rank"], []).append(facts["seen"])
+    assert len(by_dp) == shard * rep
+    for seen in by_dp.values():
+        assert all(s == seen[0] for s in seen)
+    flat = [set(sum(seen[0], [])) for seen in by_dp.values()]
+    assert sum(len(s) for s in flat) == len(set().union(*flat)) == 96
+    for facts in ranks:
+        assert facts["dp_sum"] == shard * rep  # reduce(sum) over the dp group counts each dp rank once
+
+
+@pytest.mark.slow
+def test_compile_really_compiles(results) -> None:
+    """compile=True runs the blocks through torch.compile (Dynamo graphs captured), the plain run does not."""
+    assert all(r["compiled_graphs"] > 0 for r in results["dp2-compile-ac_selective"]["ranks"])
+    assert all(r["compiled_graphs"] == 0 for r in results["dp2"]["ranks"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "dp2xtp2", "hsdp2x2"])
+def test_activation_checkpointing_is_real(layout: str, results) -> None:
+    """Backward re-runs forward ops under AC: full recomputes the matmuls too, selective only the cheap ops."""
+    ops = {ac: results[f"{layout}{ac}"]["ranks"][0]["backward_ops"] for ac in ("", "-ac_selective", "-ac_full")}
+    assert ops[""]["total"] < ops["-ac_selective"]["total"] < ops["-ac_full"]["total"], ops
+    assert ops[""]["mm"] == ops["-ac_selective"]["mm"] < ops["-ac_full"]["mm"], ops
+    if "tp" in layout:  # selective keeps the tensor-parallel collectives' outputs; full runs them again
+        tp = {ac: ops[ac]["tp_collectives"] for ac in ops}
+        assert 0 < tp[""] == tp["-ac_selective"] < tp["-ac_full"], ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("pp")])
+def test_pipeline_is_real(name: str, results) -> None:
+    """Each rank holds only its stages' blocks; the schedule is the one asked for; every rank logs the same loss."""
+    kwargs = RUNS[name].strategy
+    schedule = kwargs.get("pipeline_schedule", "1F1B")
+    ranks = results[name]["ranks"]
+    n_stages = 4 if schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") else 2
+    per_stage = 4 // n_stages
+    mesh = torch.tensor(results[name]["mesh"])  # (pp, dp_replicate, dp_shard, tp) -> global rank
+    for facts in ranks:
+        assert facts["schedule"] == f"Schedule{schedule}"
+        pp_rank = int((mesh == facts["rank"]).nonzero()[0, 0])
+        stages = [pp_rank, 2 * 2 - 1 - pp_rank] if schedule == "ZBVZeroBubble" else list(range(pp_rank, n_stages, 2))
+        blocks = {str(b) for s in stages for b in range(s * per_stage, (s + 1) * per_stage)}
+        held = {p.split(".")[2] for p in facts["params"] if p.startswith("model.layers.")}
+        assert held == blocks, (facts["rank"], held, blocks)
+        assert ("model.tok_embeddings.weight" in facts["params"]) == (0 in stages)
+        assert ("model.output.weight" in facts["params"]) == (n_stages - 1 in stages)
+        assert facts["logged"] == ranks[0]["logged"]  # rank 0 (stage 0) logs the same loss as the last stage
+    assert results[name]["losses"] == pytest.approx(ranks[0]["logged"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "err-partial-last-batch",
+            "last batch of each epoch holds 4 samples (92 per rank, batch size 8), not divisible by microbatches=8",
+        ),
+        ("err-batch-6-microbatches-4", "batch size 6 is not divisible by microbatches=4"),
+        ("err-step-without-model-call", "training_step never calls self.model(...)"),
+    ],
+)
+def test_pipeline_refuses_what_it_cannot_split(name: str, message: str, results) -> None:
+    assert results[name]["error"] is not None and message in results[name]["error"], results[name]
+
+
+# The layout planner's persistent bytes per rank (cuboid.planning.estimate, by formula) beside the ones measured from each
+# rank's DTensor local shapes and optimizer state in the runs above; printed at the end.
+PLANNER_TABLE: dict[str, tuple[float, float]] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_planner_persistent_bytes_are_within_10_percent_of_measured(name: str, results) -> None:
+    """Parameters + gradients + AdamW state, fp32, every rank of every layout (pp, HSDP, TP and 3D included)."""
+    from parity_lib import CFG
+
+    from cuboid.pipeline.stages import MULTI_STAGE
+    from cuboid.planning.estimate import Setup, Shape, rank_memory
+
+    run, ranks = RUNS[name], results[name]["ranks"]
+    kw = run.strategy
+    pp, rep, tp = kw.get("pipeline_parallel", 1), kw.get("data_parallel_replicate", 1), kw.get("tensor_parallel", 1)
+    schedule = kw.get("pipeline_schedule", "1F1B")
+    setup = Setup(pp=pp, dp_replicate=rep, dp_shard=run.world // (pp * rep * tp), tp=tp, precision="32-true",
+                  schedule=schedule, virtual_stages=2 if pp > 1 and schedule in MULTI_STAGE else 1)  # fmt: skip
+    worst = 0.0
+    for facts in ranks:
+        pp_rank = facts["rank"] // (run.world // pp)
+        predicted = rank_memory(Shape.of(CFG), setup, pp_rank).persistent
+        measured = sum(facts["bytes"].values())
+        worst = max(worst, abs(predicted / measured - 1))
+        assert abs(predicted / measured - 1) <= 0.10, (facts["rank"], predicted, measured)
+    PLANNER_TABLE[name] = (worst, sum(sum(f["bytes"].values()) for f in ranks) / len(ranks))
+
+
+# cuboid.planning.capacity's parameter bytes per rank, estimated from the unsharded module before any sharding (what setup refuses
+# a layout on, on GPUs), beside each rank's measured DTensor local parameter bytes; printed at the end.
+FIT_TABLE: dict[str, float] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_fit_estimate_before_sharding_is_within_10_percent_of_measured(name: str, results) -> None:
+    from parity_lib import fit_estimate_error
+
+    FIT_TABLE[name] = fit_estimate_error(results[name]["ranks"])
+    assert FIT_TABLE[name] <= 0.10, FIT_TABLE[name]

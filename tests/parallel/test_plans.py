@@ -1,0 +1,172 @@
+"""Plan resolution: a Hugging Face style plan is honoured, styles map to DTensor parallel styles."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel
+
+from cuboid.parallel.plans import (
+    PlanError,
+    canonical_style,
+    check_tp_divisibility,
+    find_model_plan,
+    match_plan,
+    to_parallel_style,
+)
+from cuboid.parallel.styles import LocalParams
+
+
+class HFStyleMLP(nn.Module):
+    """Shaped like a Hugging Face base model: a ``config`` with ``base_model_tp_plan`` and ``layers``."""
+
+    class Config:
+        base_model_tp_plan = {
+            "layers.*.up_proj": "colwise",
+            "layers.*.down_proj": "rowwise",
+            "embed_tokens": "embedding_rowwise",
+        }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = self.Config()
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"up_proj": nn.Linear(8, 16), "down_proj": nn.Linear(16, 8)}) for _ in range(2)
+        )
+
+
+class CausalLM(nn.Module):
+    _tp_plan = {"lm_head": "colwise_rep"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = HFStyleMLP()
+        self.lm_head = nn.Linear(8, 16)
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = CausalLM()
+
+
+def test_hugging_face_plans_are_found_with_their_prefixes() -> None:
+    plan = find_model_plan(Module())
+    assert plan == {
+        "net.lm_head": "colwise_rep",
+        "net.model.layers.*.up_proj": "colwise",
+        "net.model.layers.*.down_proj": "rowwise",
+        "net.model.embed_tokens": "embedding_rowwise",
+    }
+    matched = match_plan(Module(), plan)
+    assert {name: style for name, (_, style) in matched.items()} == {
+        "net.lm_head": "output",
+        "net.model.layers.0.up_proj": "colwise",
+        "net.model.layers.1.up_proj": "colwise",
+        "net.model.layers.0.down_proj": "rowwise",
+        "net.model.layers.1.down_proj": "rowwise",
+        "net.model.embed_tokens": "embedding",
+    }
+
+
+def test_styles_become_dtensor_parallel_styles() -> None:
+    assert type(to_parallel_style("colwise")) is ColwiseParallel
+    assert type(to_parallel_style("rowwise")) is RowwiseParallel
+    output = to_parallel_style("output")
+    assert isinstance(output, ColwiseParallel) and output.output_layouts == (Replicate(),)
+    embedding = to_parallel_style("embedding")
+    assert isinstance(embedding, RowwiseParallel) and embedding.input_layouts == (Replicate(),)
+
+
+# --- Hugging Face's own style vocabulary, read from the installed transformers -----------------------------------
+
+
+def _hf_registry() -> dict:
+    tp = pytest.importorskip("transformers.distributed.tensor_parallel")
+    pytest.importorskip("transformers.distributed.expert_parallel")  # registers the expert-parallel styles too
+    return dict(tp.ALL_PARALLEL_STYLES.items())
+
+
+def test_every_transformers_style_is_mapped_with_its_layouts_or_refused_by_name() -> None:
+    """Each style transformers registers either maps onto a DTensor style with the same input/output layouts
+    as transformers' own object, or is refused with a message naming the style and the module."""
+    tp = pytest.importorskip("transformers.distributed.tensor_parallel")
+    registry = _hf_registry()
+    assert {"colwise_gather_output", "embedding_colwise", "rowwise_split_input", "replicate"} <= set(registry)
+    mapped, refused = [], []
+    for name, hf_style in registry.items():
+        try:
+            ours = to_parallel_style(canonical_style(name, "model.layers.*.x"))
+        except PlanError as err:
+            assert repr(name) in str(err) and "'model.layers.*.x'" in str(err), err
+            assert "experts" in str(err), err
+            refused.append(name)
+            continue
+        mapped.append(name)
+        if isinstance(hf_style, tp.ColwiseParallel):
+            assert isinstance(ours, ColwiseParallel), name
+            assert ours.input_layouts == (hf_style.input_layouts,), name
+            assert ours.output_layouts == (hf_style.output_layouts,), name
+        elif isinstance(hf_style, tp.RowwiseParallel):
+            assert isinstance(ours, RowwiseParallel), name
+            assert ours.input_layouts == (hf_style.input_layouts,), name
+            assert ours.output_layouts == (hf_style.output_layouts,), name
+        elif isinstance(hf_style, tp.EmbeddingParallel):
+            # vocabulary-parallel (shard_dim 0) is torch's RowwiseParallel on an Embedding, hidden-dim is Colwise
+            assert isinstance(ours, RowwiseParallel if hf_style.shard_dim == 0 else ColwiseParallel), name
+            assert ours.input_layouts == (Replicate(),) and ours.output_layouts == (Replicate(),), name
+        elif isinstance(hf_style, tp.SequenceParallel):
+            assert isinstance(ours, SequenceParallel), name
+        elif isinstance(hf_style, tp.ReplicatedWithGradAllReduce):
+            assert isinstance(ours, LocalParams) and ours.replicate_plain and ours.grad_placements == [Partial()]
+        elif isinstance(hf_style, tp.AllReduceParallel):
+            assert isinstance(ours, PrepareModuleOutput), name
+        elif name == "replicate":
+            assert ours is None
+        elif name == "local_params":
+            assert isinstance(ours, LocalParams) and not ours.replicate_plain and ours.grad_placements is None
+        else:
+            raise AssertionError(f"transformers style {name!r} ({type(hf_style).__name__}) is mapped but not checked")
+    assert {"moe_tp_experts", "packed_colwise", "packed_rowwise"} <= set(refused)
+    assert len(mapped) >= 12, mapped
+
+
+def test_rowwise_rep_means_a_replicated_input() -> None:
+    """transformers registers rowwise_rep with a replicated input: it must not be treated as plain rowwise."""
+    style = to_parallel_style("rowwise_rep")
+    assert isinstance(style, RowwiseParallel) and style.input_layouts == (Replicate(),)
+
+
+def test_a_hugging_face_llama_plan_resolves_without_a_user_plan() -> None:
+    """transformers 5.x: LlamaForCausalLM carries {"lm_head": "colwise_gather_output"} and an embedding_rowwise
+    embedding; tensor_parallel=2 with no plan stopped with 'Unknown tensor-parallel style'."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+
+    class HFModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.LlamaForCausalLM(config)
+
+    module = HFModule()
+    matched = match_plan(module, find_model_plan(module))
+    styles = {name: style for name, (_, style) in matched.items()}
+    assert styles["model.lm_head"] == "output"
+    assert styles["model.model.embed_tokens"] == "embedding"
+    assert styles["model.model.layers.1.self_attn.o_proj"] == "rowwise"
+    check_tp_divisibility(module, matched, 2)
+    with pytest.raises(PlanError, match=r"num_key_value_heads = 2 is not divisible by tp=4"):
+        check_tp_divisibility(module, matched, 4)
+
+
+def test_expert_and_parameter_entries_are_refused_with_what_to_do() -> None:
+    with pytest.raises(PlanError, match=r"'moe_tp_experts' on 'model.layers.\*.mlp.experts'.*Leave those modules out"):
+        match_plan(Module(), {"model.layers.*.mlp.experts": "moe_tp_experts"})
+    with pytest.raises(PlanError, match=r"names parameters \(\['net.lm_head.weight'\]\)"):
+        match_plan(Module(), {"net.lm_head.weight": "colwise"})

@@ -1,0 +1,120 @@
+"""The layout planner (cuboid.planning.cli / cuboid.planning.planner / cuboid.planning.estimate): valid layouts, the seeds' 70B case,
+torchtitan's published runs beside its predictions, and its command line. Its persistent bytes are checked
+against measured ones in tests/test_parity.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuboid.planning.estimate import GIB, GPUS, Setup, Shape, memory, step_time
+from cuboid.planning.planner import CALIBRATION, TORCHTITAN, layouts, plan, validation_table
+
+PLANNER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "planning.md"  # the guide page with the table
+
+
+def test_every_layout_is_valid_and_none_is_missing() -> None:
+    shape = Shape.of("8b")
+    found = layouts(shape, 32, 8)
+    assert len(found) == len(set(found))
+    for pp, rep, shard, tp in found:
+        assert pp * rep * shard * tp == 32 and 8 % tp == 0 and shape.kv_heads % tp == 0
+        assert rep == 1 or (4 % rep == 0 and shard > 1)
+    for expected in [(1, 1, 32, 1), (1, 4, 8, 1), (1, 1, 4, 8), (4, 1, 4, 2), (32, 1, 1, 1), (2, 2, 4, 2)]:
+        assert expected in found, expected
+    assert (1, 1, 2, 16) not in found  # tp beyond a node
+
+
+def test_persistent_bytes_follow_zero_3() -> None:
+    """16 B per parameter over dp_shard x tp under bf16-mixed (norms replicated over tp), 8 B in bf16-true."""
+    shape = Shape.of("70b")
+    full = memory(shape, Setup(dp_shard=8, batch=1, seq=4096, precision="bf16-mixed"))
+    assert full.persistent == pytest.approx(16 * shape.params / 8, rel=1e-9)
+    half = memory(shape, Setup(dp_shard=8, batch=1, seq=4096, precision="bf16-true"))
+    assert half.persistent == pytest.approx(8 * shape.params / 8, rel=1e-9)
+    offload = memory(shape, Setup(dp_shard=8, batch=1, seq=4096, cpu_offload=True))
+    assert offload.persistent == 0 and offload.host == pytest.approx(full.persistent)
+
+
+def test_the_seeds_70b_on_8_gpus_of_80_gb_fits_only_with_cpu_offload() -> None:
+    """A 70B fine-tune on one node of 8 H100 80GB, 4096 tokens: no setting without CPU offload fits (bf16-mixed
+    needs 133 GiB per GPU at the least: 16 B x 70.6e9 / 8 alone is 131 GiB); with offload, full checkpointing."""
+    options = plan("70b", nodes=1, gpus_per_node=8, gpu="h100", seq=4096)
+    assert not [o for o in options if o.fits and not o.setup.cpu_offload]
+    best = options[0]
+    assert best.fits and best.setup.cpu_offload and best.setup.ac == "full"
+    nearest = min((o for o in options if not o.setup.cpu_offload), key=lambda o: o.memory.total)
+    assert nearest.memory.total / GIB > 0.9 * GPUS["h100"].memory / GIB
+
+
+def test_calibration_reproduces_its_three_rows_and_predicts_the_others() -> None:
+    """Three inputs are solved on torchtitan's 8B FSDP 8 rows; the six other rows are predictions. Aim: within
+    20%. Measured: all within 20.1% (405B 1F1B 0.799); the band asserted is the current accuracy, not the aim."""
+    hw = GPUS["h100-96gb"]
+    for i, (name, _, setup, tps, _) in enumerate(TORCHTITAN):
+        got = step_time(Shape.of(name), setup, hw, **CALIBRATION).tokens_per_s_per_gpu
+        if i < 3:
+            assert got == pytest.approx(tps, rel=1e-3)
+        else:
+            assert 0.79 <= got / tps <= 1.21, (name, setup, got, tps)
+
+
+def test_the_guide_holds_the_validation_table_the_planner_computes() -> None:
+    table = validation_table()
+    text = PLANNER_PAGE.read_text()
+    for line in table.splitlines()[2:]:
+        assert re.sub(r"\s+", " ", line) in re.sub(r"\s+", " ", text), line
+
+
+def test_command_line_prints_layouts_what_fits_and_a_recommendation() -> None:
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "cuboid.layout", "model=8b",
+                          "nodes=4", "gpus_per_node=8", "gpu=h100"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tok/s/GPU" in out.stdout and "What fits (bf16-mixed):" in out.stdout
+    assert "Recommended: CuboidStrategy(pipeline_parallel=" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "cuboid.layout", "modle=8b"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "unknown argument 'modle=8b'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("llama", {"num_key_value_heads": 8}), ("mistral", {"num_key_value_heads": 8}),
+     ("qwen2", {"num_key_value_heads": 2}), ("qwen3", {"num_key_value_heads": 4, "head_dim": 128})],
+)  # fmt: skip
+def test_planner_reads_a_hugging_face_config_and_counts_its_parameters(family, extra, tmp_path) -> None:
+    """``model=`` a config.json of code nobody here wrote: the planner's parameter count equals transformers' own
+    model built from it (on meta), whose query width (Qwen3: heads x head_dim = 2 x hidden), q/k/v biases (Qwen2)
+    and q/k norms (Qwen3) differ from the reference Llama's."""
+    import torch
+    import transformers
+
+    from cuboid.planning.estimate import Shape
+    from cuboid.planning.planner import plan
+
+    config = transformers.AutoConfig.for_model(family, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                               num_attention_heads=16, vocab_size=4096, **extra)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+    shape = Shape.of(str(tmp_path / "config.json"))
+    assert shape.params == real, (family, shape.params, real)
+    assert Shape.of(str(tmp_path)) == shape
+    assert plan(str(tmp_path), nodes=1, gpus_per_node=2, gpu="h100", seq=1024)  # the planner runs on it
+
+
+def test_planner_refuses_a_mixture_of_experts_config_by_name(tmp_path) -> None:
+    import transformers
+
+    from cuboid.planning.estimate import Shape
+
+    transformers.AutoConfig.for_model("mixtral", num_local_experts=8).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"is a mixture-of-experts model \(8 experts\): the planner models dense"):
+        Shape.of(str(tmp_path))
+    with pytest.raises(ValueError, match="no config.json there"):
+        Shape.of(str(tmp_path / "missing"))

@@ -1,0 +1,157 @@
+"""The house keeps its promises: every public name and command users had still works, and the package is laid out
+as docs/architecture.md says (no module over 400 lines, no flat folder of more than 10 modules, imports that run
+downward between the wings, an ``__all__`` in every wing)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "strategy"
+
+# What users import by name: the face, and the names the README and the guide show.
+PUBLIC = [
+    "cuboid.CuboidStrategy",
+    "cuboid.CuboidPrecision",
+    "cuboid.Layout",
+    "cuboid.LayoutError",
+    "cuboid.PlanError",
+    "cuboid.PipelineError",
+    "cuboid.CheckpointError",
+    "cuboid.PretrainedError",
+    "cuboid.NonFiniteError",
+    "cuboid.RunDirectoryBusy",
+    "cuboid.UnevenBatchesError",
+    "cuboid.CommLedger",
+    "cuboid.CuboidMonitor",
+    "cuboid.latest_checkpoint",
+    "cuboid.read_model_weights",
+    "cuboid.layout.Layout",
+    "cuboid.layout.LayoutError",
+    "cuboid.layout.main",
+    "cuboid.dryrun.dry_run",
+    "cuboid.export.main",
+    "cuboid.callbacks.CuboidMonitor",
+    "cuboid.callbacks.CommLedger",
+    "cuboid.planning.plan",
+    "cuboid.planning.expected",
+    "cuboid.checkpoint.CheckpointFormat",
+    "cuboid.data.TokenDataModule",
+    "cuboid.models.CausalLM",
+    "cuboid.models.Llama",
+    "cuboid.models.LlamaConfig",
+]
+
+# The wings, lowest floor first; a wing may import only wings on a lower floor (and compat, data).
+FLOORS = {"compat": 0, "data": 0, "checkpoint": 1, "step": 1, "parallel": 2, "pipeline": 3, "job": 3, "planning": 4}
+WINGS = ("parallel", "pipeline", "checkpoint", "job", "step", "planning")
+
+
+def _resolve(dotted: str) -> object:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_imports(name: str) -> None:
+    assert _resolve(name) is not None
+
+
+def test_the_face_exports_what_it_lists() -> None:
+    import cuboid
+
+    assert {n for n in cuboid.__all__ if not hasattr(cuboid, n)} == set()
+    assert {f"cuboid.{n}" for n in cuboid.__all__} <= set(PUBLIC)
+
+
+def test_hydra_targets_resolve() -> None:
+    """Every ``_target_`` in conf/ names an object that exists (the Hydra twins of the public names)."""
+    import yaml
+
+    targets = set()
+    for path in (ROOT / "conf").rglob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            stack = [doc]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if isinstance(node.get("_target_"), str):
+                        targets.add(node["_target_"])
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+    assert "cuboid.CuboidStrategy" in targets and "cuboid.data.TokenDataModule" in targets
+    for target in targets:
+        assert _resolve(target) is not None, target
+
+
+@pytest.mark.parametrize(
+    "command, usage",
+    [
+        (["-m", "cuboid.layout", "--help"], "usage: python -m cuboid.layout"),
+        (["-m", "cuboid.dryrun", "--help"], "usage: python -m cuboid.dryrun"),
+        (["-m", "cuboid.export", "--help"], "usage: python -m cuboid.export"),
+        ([str(ROOT / "scripts" / "bench.py"), "--help"], "--suite NAME"),
+        ([str(ROOT / "scripts" / "bench.py"), "--suite", "pipeline", "--help"], "usage:"),
+    ],
+)
+def test_every_command_line_answers_help(command: list[str], usage: str) -> None:
+    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and usage in out.stdout, out.stdout + out.stderr
+
+
+def test_unknown_planner_argument_names_the_keys() -> None:
+    out = subprocess.run([sys.executable, "-m", "cuboid.layout", "gpus=8"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "unknown argument 'gpus=8'" in out.stderr and "gpus_per_node" in out.stderr
+
+
+def _modules(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _modules(PACKAGE) + _modules(ROOT / "models")
+            if (n := len(p.read_text().splitlines())) > 400}  # fmt: skip
+    assert not long, long
+
+
+def test_no_flat_folder_holds_more_than_ten_modules() -> None:
+    folders = {PACKAGE, *(p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")}
+    crowded = {str(f): n for f in folders if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > 10}
+    assert not crowded, crowded
+
+
+def _imported_wings(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cuboid"):
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("cuboid."))
+    return found
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_wings_import_only_downward(wing: str) -> None:
+    upward = {}
+    for path in _modules(PACKAGE / wing):
+        bad = {w for w in _imported_wings(path) if w != wing and w != "models" and FLOORS.get(w, 99) >= FLOORS[wing]}
+        if bad:
+            upward[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not upward, upward
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_every_wing_names_its_public_api(wing: str) -> None:
+    module = importlib.import_module(f"cuboid.{wing}")
+    assert module.__all__ and all(hasattr(module, name) for name in module.__all__)
