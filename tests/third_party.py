@@ -15,9 +15,11 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
 
-FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit")
-# Max grad norm per family: the reference clips on some steps and not on others (test_third_party asserts both).
-CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0}
+FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied")
+# Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
+# test_pipeline_hf assert both).
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75}
+CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
 VIT_PLAN = {
@@ -34,8 +36,15 @@ def hf_config(family: str):
     import transformers
 
     small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
-    if family == "hf_llama":
-        return transformers.LlamaConfig(vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, **small)
+    if family in ("hf_llama", "hf_llama_tied"):
+        tied = family == "hf_llama_tied"
+        return transformers.LlamaConfig(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, **small
+        )
+    if family == "hf_mistral":  # a sliding window shorter than the sequences: the mask differs from causal
+        return transformers.MistralConfig(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, **small
+        )
     if family == "hf_qwen3":
         return transformers.Qwen3Config(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **small
@@ -83,8 +92,35 @@ class ImageDataset(Dataset):
         return {"idx": torch.tensor(i), "pixel_values": self.images[i], "labels": self.labels[i]}
 
 
-def dataset(family: str, n: int = 96) -> Dataset:
-    return ImageDataset(n) if family == "hf_vit" else TokenDataset(n)
+class PaddedTokenDataset(TokenDataset):
+    """Token sequences of different lengths, right-padded: ``attention_mask`` masks the padding, and ``labels`` is
+    ``-100`` on the padding and on a short prompt, so samples (and microbatches) predict different numbers of
+    tokens."""
+
+    def __init__(self, n: int = 96) -> None:
+        super().__init__(n)
+        g = torch.Generator().manual_seed(13)
+        seq = self.tokens.shape[1]
+        self.lengths = torch.randint(seq // 3, seq + 1, (n,), generator=g)
+        self.prompts = torch.randint(0, 5, (n,), generator=g)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[i].clone()
+        real = torch.arange(len(tokens)) < self.lengths[i]
+        tokens[~real] = 0
+        labels = torch.where(real, tokens, torch.full_like(tokens, -100))
+        labels[: int(self.prompts[i])] = -100
+        return {"idx": torch.tensor(i), "tokens": tokens, "attention_mask": real.long(), "labels": labels}
+
+
+def dataset(family: str, n: int = 96, padded: bool = False) -> Dataset:
+    if family == "hf_vit":
+        return ImageDataset(n)
+    return PaddedTokenDataset(n) if padded else TokenDataset(n)
+
+
+def clip(family: str, padded: bool = False) -> float:
+    return CLIP_PADDED[family] if padded else CLIP[family]
 
 
 def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -92,6 +128,8 @@ def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "pixel_values" in batch:
         return model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
     tokens = batch["tokens"]
+    if "attention_mask" in batch:
+        return model(input_ids=tokens, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
     return model(input_ids=tokens, labels=tokens).loss
 
 
@@ -125,25 +163,36 @@ class HFModule(L.LightningModule):
 
 
 def reference_run(
-    family: str, meta_init: bool = False, epochs: int = 1, initial: dict[str, torch.Tensor] | None = None
+    family: str,
+    meta_init: bool = False,
+    epochs: int = 1,
+    initial: dict[str, torch.Tensor] | None = None,
+    padded: bool = False,
+    dp: int = 1,
 ) -> Reference:
-    """Single-process fp32 training of ``family`` on the same global batches, clipped at ``CLIP[family]``, from
-    :func:`initial_model` or the weights ``initial``."""
+    """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
+    :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
+    of the ``dp`` ranks' own token means (each rank's share of the global batch, as Lightning's sampler deals it):
+    what data-parallel training computes when the ranks predict different numbers of tokens."""
     model = initial_model(family, meta_init)
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    data = dataset(family)
+    data = dataset(family, padded=padded)
+    shares = dp if padded else 1
     losses, norms = [], []
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         for k in range(len(data) // GLOBAL_BATCH):
-            items = [data[i] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]]
-            batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
-            loss = hf_loss(model, batch)
+            window = perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
+            loss = 0.0
+            for r in range(shares):
+                items = [data[i] for i in window[r::shares]]
+                batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
+                loss = loss + hf_loss(model, batch) / shares
             loss.backward()
             losses.append(loss.item())
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[family])))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip(family, padded))))
             opt.step()
             opt.zero_grad()
     return Reference(losses, norms, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()})

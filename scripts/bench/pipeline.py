@@ -3,7 +3,8 @@
     python scripts/bench.py --suite pipeline     # or: python scripts/bench/pipeline.py
 
 Runs pp=2 (two processes; on a 2-core machine more stages would wait for a core and look like
-bubble) with GPipe, 1F1B and Interleaved1F1B at M = 4, 8, 16 microbatches. Busy time comes from
+bubble) with GPipe, 1F1B and Interleaved1F1B at M = 4, 8, 16 microbatches, on Cuboid's Llama and on an
+unmodified transformers ``LlamaForCausalLM`` of the same size (``--model llama|hf_llama|both``). Busy time comes from
 per-action timestamps around each stage's forward and backward of a microbatch; idle = 1 - busy /
 step time, averaged over timed steps. Everything that is not a stage's compute counts as idle:
 the bubble, but also send/recv waits and Cuboid's per-step bookkeeping. Theory: (P-1)/(M+P-1) for
@@ -54,6 +55,28 @@ class LM(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return F.cross_entropy(self.model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
 
+
+class HFLM(LM):
+    """The same sizes as a transformers LlamaForCausalLM, trained the way its users write the step."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=CFG.vocab_size,
+            hidden_size=CFG.dim,
+            intermediate_size=CFG.ffn_dim,
+            num_hidden_layers=CFG.n_layers,
+            num_attention_heads=CFG.n_heads,
+            num_key_value_heads=CFG.n_kv_heads,
+            max_position_embeddings=CFG.max_seq_len + 1,
+        )
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
@@ -90,7 +113,7 @@ class ActionTimer(L.Callback):
         self.steps.append((self._t0, time.time()))
 
 
-def run_one(schedule: str, microbatches: int, args: argparse.Namespace) -> dict:
+def run_one(model: str, schedule: str, microbatches: int, args: argparse.Namespace) -> dict:
     timer = ActionTimer()
     virtual = 2 if schedule == "Interleaved1F1B" else 1
     strategy = CuboidStrategy(
@@ -109,7 +132,8 @@ def run_one(schedule: str, microbatches: int, args: argparse.Namespace) -> dict:
     )
     L.seed_everything(0, verbose=False)
     batch = microbatches * args.microbatch_size
-    trainer.fit(LM(), DataLoader(Tokens(batch * args.steps, args.seq), batch_size=batch))
+    module = HFLM() if model == "hf_llama" else LM()
+    trainer.fit(module, DataLoader(Tokens(batch * args.steps, args.seq), batch_size=batch))
     idle = []
     for start, end in timer.steps[args.warmup :]:
         busy = sum(min(e, end) - max(s, start) for s, e, _, _ in timer.actions if e > start and s < end)
@@ -123,6 +147,7 @@ def run_one(schedule: str, microbatches: int, args: argparse.Namespace) -> dict:
     p = 2
     theory = (p - 1) / (virtual * microbatches + p - 1)
     return {
+        "model": model,
         "schedule": schedule,
         "microbatches": microbatches,
         "virtual": virtual,
@@ -164,23 +189,27 @@ def write_png(path: Path, rows: list[list[tuple[float, float, str, int]]], windo
 
 
 def worker(args: argparse.Namespace) -> None:
-    results = [run_one(s, m, args) for s in SCHEDULES for m in (4, 8, 16)]
+    models = ("llama", "hf_llama") if args.model == "both" else (args.model,)
+    results = [run_one(model, s, m, args) for model in models for s in SCHEDULES for m in (4, 8, 16)]
     if dist.get_rank() != 0:
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"\npipeline bubble, pp=2, {CFG.n_layers}-block Llama, microbatch {args.microbatch_size} x {args.seq} tokens, CPU"
+        f"\npipeline bubble, pp=2, {CFG.n_layers}-block Llama (Cuboid's: llama; transformers': hf_llama), microbatch "
+        f"{args.microbatch_size} x {args.seq} tokens, CPU"
     )
-    print(f"{'schedule':16s} {'M':>3s} {'idle stage0':>12s} {'idle stage1':>12s} {'theory':>8s} {'step ms':>9s}")
+    header = f"{'model':9s} {'schedule':16s} {'M':>3s} {'idle stage0':>12s} {'idle stage1':>12s} {'theory':>8s}"
+    print(header + f" {'worst/theory':>13s} {'step ms':>9s}")
     for r in results:
+        worst = max(r["idle_per_stage"]) / r["theory"]
         print(
-            f"{r['schedule']:16s} {r['microbatches']:3d} {r['idle_per_stage'][0]:12.3f} {r['idle_per_stage'][1]:12.3f} "
-            f"{r['theory']:8.3f} {1000 * r['step_s']:9.1f}"
+            f"{r['model']:9s} {r['schedule']:16s} {r['microbatches']:3d} {r['idle_per_stage'][0]:12.3f} "
+            f"{r['idle_per_stage'][1]:12.3f} {r['theory']:8.3f} {worst:13.2f} {1000 * r['step_s']:9.1f}"
         )
     for r in results:
         if r["microbatches"] == 8:
-            write_png(out.with_name(f"pipeline_{r['schedule']}_M8.png"), r["timelines"], r["window"])
+            write_png(out.with_name(f"pipeline_{r['model']}_{r['schedule']}_M8.png"), r["timelines"], r["window"])
     slim = [{k: v for k, v in r.items() if k not in ("timelines",)} for r in results]
     out.write_text(json.dumps({"config": vars(args), "results": slim}, indent=1))
     print(f"JSON: {out}; timelines: {out.parent}/pipeline_*_M8.png")
@@ -192,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--model", choices=["llama", "hf_llama", "both"], default="both")
     parser.add_argument("--out", default="bench_results/pipeline.json")
     sys.path.insert(0, str(Path(__file__).parent))
     from launch import worker_or_relaunch

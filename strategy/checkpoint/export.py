@@ -1,7 +1,8 @@
 """Weight export, the code behind ``python -m cuboid.export``.
 
-Writes a checkpoint's model weights (sharded or full, any training layout) to one safetensors file, or,
-for the reference Llama, a Hugging Face ``LlamaForCausalLM`` directory. Apart from the checkpoint core:
+Writes a checkpoint's model weights (sharded or full, any training layout) to one safetensors file; a Hugging Face
+directory for a transformers model (``--config``, its own names and config) or, for the reference Llama, a
+``LlamaForCausalLM`` directory (``--hf``). Apart from the checkpoint core:
 it is the only place that maps Cuboid's checkpoints onto a model family (``cuboid.models``).
 """
 
@@ -68,7 +69,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Llama; CONFIG is a named size (debug, 150m, 1b, 8b, 70b) or a conf/model YAML file",
     )
     parser.add_argument(
-        "--prefix", default="model.", help="where the Llama sits in the LightningModule (default: model.)"
+        "--config",
+        metavar="CONFIG_JSON",
+        default=None,
+        help="the checkpoint holds a transformers model: write OUT as its Hugging Face directory (OUT/model.safetensors "
+        "under the model's own names, the prefix removed, + this config.json, or the one in this directory), which "
+        "AutoModelForCausalLM.from_pretrained(OUT) loads",
+    )
+    parser.add_argument(
+        "--prefix", default="model.", help="where the model sits in the LightningModule (default: model.)"
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["export"]:  # the form earlier releases documented: `... export CKPT OUT`
@@ -102,6 +111,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
         )
         args.out = str(out_dir / "model.safetensors")
-    save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
+    elif args.config is not None:
+        config = Path(args.config)
+        config = config / "config.json" if config.is_dir() else config
+        if not config.is_file():
+            raise SystemExit(f"cuboid.export: --config {args.config}: no config.json there.")
+        weights = {k[len(args.prefix) :]: v for k, v in weights.items() if k.startswith(args.prefix)}
+        if not weights:
+            raise SystemExit(f"cuboid.export: no weights under the prefix {args.prefix!r}; set --prefix.")
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(config.read_text())
+        args.out = str(out_dir / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in weights.items()}, args.out, metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({total / 2**20:.1f} MiB) to {args.out}")

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from cuboid.parallel.build import ParallelSettings
 from cuboid.pipeline import stages as pipeline
+from cuboid.pipeline.runner import PipelineRunner
 
 
 class Pipelining:
@@ -66,8 +67,9 @@ class Pipelining:
         self.pp, self.schedule, self.microbatches, self.virtual_stages = pp, schedule, microbatches, virtual_stages
         self.split = list(split) if split is not None else None
         self.reshard_after_forward = reshard_after_forward
-        self.runner: pipeline.PipelineRunner | None = None
+        self.runner: PipelineRunner | None = None
         self._owner = ""
+        self._shape: Any = None  # a Hugging Face decoder's cut (cuboid.pipeline.decoder), None for Cuboid's contract
         self._stashed_grads: list[Tensor | None] = []
         self._tied: list[nn.Parameter] = []
         self._tied_names: list[list[str]] = []
@@ -107,10 +109,10 @@ class Pipelining:
             names = {n for n, _ in stage.named_modules()}
             relative = {n[len(prefix) :]: v for n, v in matched.items() if n[len(prefix) :] in names}
             stage_blocks = [
-                (f"{prefix}{split.container}.{k}", b) for k, b in stage.get_submodule(split.container).items()
+                (f"{prefix}{split.container}.{k}", b) for k, b in pipeline.stage_block_items(stage, split.container)
             ]
             settings.apply([(stage, stage_blocks)], stage, relative)
-        self._owner = split.owner
+        self._owner, self._shape = split.owner, split.shape
         return list(zip(my_stages, stage_modules, strict=True))
 
     def build_schedule(self, stage_modules: list[tuple[int, nn.Module]], mesh: Any, device: torch.device) -> None:
@@ -121,8 +123,9 @@ class Pipelining:
         stages = [PipelineStage(module, sid, n_stages, device, group=pp_group) for sid, module in stage_modules]
         last_pp_rank = 0 if self.schedule in pipeline.V_SHAPED else self.pp - 1
         last_stage_rank = dist.get_global_rank(pp_group, last_pp_rank)
-        self.runner = pipeline.PipelineRunner(
-            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank, self._host_group(mesh)
+        host_group = self._host_group(mesh)
+        self.runner = PipelineRunner(
+            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank, host_group, self._shape
         )
         if self._tied_names:
             self._tied_group = self._first_last_group(mesh, pp_group)

@@ -219,8 +219,8 @@ def run(spec: dict, out_dir: Path) -> None:
     family = spec.get("model", "llama")
     if family in third_party.FAMILIES:
         module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
-        dataset = third_party.dataset(family, spec.get("samples", 96))
-        clip = third_party.CLIP[family]
+        dataset = third_party.dataset(family, spec.get("samples", 96), padded=spec.get("padded", False))
+        clip = third_party.clip(family, spec.get("padded", False))
     else:
         kinds = {"no_model_call": NoModelCall, "stray_parameter": StrayParameter, "nan_loss": NanLoss}
         module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
@@ -332,7 +332,7 @@ def run(spec: dict, out_dir: Path) -> None:
         else None,
         "best": str(Path(trainer.checkpoint_callback.best_model_path).name) if spec.get("monitor") else None,
     }
-    if spec.get("validate"):  # the batch losses the metric saw, recomputed by hand on this rank's val batches
+    if spec.get("validate") and strategy.layout.pp == 1:  # the batch losses the metric saw, recomputed by hand
         with torch.no_grad():
             mine["val_batch_losses"] = [float(third_party.hf_loss(module.model, b)) for b in trainer.val_dataloaders]
     everyone = [None] * dist.get_world_size()

@@ -1,0 +1,385 @@
+"""Pipeline stages of an unmodified Hugging Face decoder (``AutoModelForCausalLM`` and models of its shape).
+
+Such a model runs ``embeddings -> a stack of blocks -> a final norm`` in its base model (``model.model``) and a
+head in its outer model (``model.lm_head``), computing once at the top what every block needs: the causal (or
+sliding-window) mask from ``attention_mask``, the position ids and the rotary embeddings. A stage keeps the
+model's own modules under their own names and runs the model's own code:
+
+* every stage calls the base model's own ``forward`` with only its blocks in the stack: the first stage on the
+  token ids, a later one on the hidden states it receives (``inputs_embeds=``, which skips the embedding). So each
+  stage recomputes the mask, positions and rotary embeddings exactly as the model does, from the
+  ``attention_mask`` / ``position_ids`` that every stage gets with its microbatch;
+* a stage that is not the last has an identity in place of the final norm;
+* the last stage then runs the outer model's own ``forward`` with its base model standing in as "the hidden
+  states just computed": the head, logit scaling or soft-capping are the model's own. It outputs the logits.
+
+The loss is the model's own loss function, on the last stage, per microbatch, with transformers'
+``num_items_in_batch`` set to the whole batch's count of predicted tokens: the sum over microbatches is the loss
+(and the gradient) of one big batch, ``-100`` labels and padding included.
+
+Which models qualify (checked when the stages are built, each failure named): the blocks sit in a
+``ModuleList`` of the base model, whose ``forward`` takes ``inputs_embeds``; the base model hands ``inputs_embeds``
+to the first block untouched (a model that scales its embeddings inside ``forward``, as Gemma does, would scale
+them again on every later stage, and is refused); the outer model calls the base model and reads
+``last_hidden_state``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from cuboid.compat import shallow_module_copy
+
+IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
+_HARMLESS = {"use_cache": (None, False, True), "return_dict": (None, True), "logits_to_keep": (0, None)}
+_LOSS_ONLY = ("labels", "shift_labels")
+
+
+class DecoderSplitError(ValueError):
+    """Raised (as the pipeline's own PipelineError) when a model is not of the decoder shape."""
+
+
+class KeyedModuleList(nn.ModuleList):
+    """A ``ModuleList`` that keeps its children's original keys (``"4"``, ``"5"``, ...), so a stage holding blocks 4
+    to 7 names their parameters ``layers.4...`` as the whole model does. Iteration, ``len`` and slicing (what a
+    decoder's forward uses: ``self.layers[: n]``) go by position."""
+
+    def __init__(self, items: Sequence[tuple[str, nn.Module]] = ()) -> None:
+        super().__init__()
+        for key, module in items:
+            self.add_module(key, module)
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        values = list(self._modules.values())
+        if isinstance(idx, slice):
+            return nn.ModuleList(values[idx])
+        return values[idx]
+
+    def keyed_items(self) -> list[tuple[str, nn.Module]]:
+        return list(self._modules.items())
+
+
+@dataclass
+class DecoderShape:
+    """Where a decoder is cut, by dotted names relative to the outer model (the LightningModule's attribute)."""
+
+    base: str  # the base model ("model"); "" when the attribute is the base model itself
+    container: str  # the blocks ("model.layers")
+    pre: list[str] = field(default_factory=list)  # pieces before the blocks, on the first stage ("model.embed_tokens")
+    post: list[str] = field(default_factory=list)  # after them, on the last stage ("model.norm", "lm_head")
+
+
+def _child_order(module: nn.Module, plan: dict[str, Any] | None) -> list[str]:
+    """The children in the order the model runs them: its own pipeline plan's order where it declares one
+    (transformers' ``base_model_pp_plan`` / ``_pp_plan``), else their registration order."""
+    names = list(module._modules)
+    if plan:
+        declared = [n for n in plan if n in module._modules]
+        return declared + [n for n in names if n not in declared]
+    return names
+
+
+def _has_params(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
+
+
+def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> DecoderShape:
+    """Check that ``owner`` (the LightningModule's ``owner_name``) is a decoder whose blocks are ``container``; say
+    what is missing when it is not."""
+    base_path, _, attr = container.rpartition(".")
+    if "." in base_path:
+        raise DecoderSplitError(
+            f"{owner_name}.{container} lies {container.count('.')} levels deep; a decoder's blocks sit in its base "
+            f"model (e.g. {owner_name}.model.layers). Pass block_container= naming the blocks of the base model."
+        )
+    base = owner.get_submodule(base_path) if base_path else owner
+    blocks = getattr(base, attr)
+    if not isinstance(blocks, nn.ModuleList):
+        raise DecoderSplitError(
+            f"{owner_name}.{container} is an nn.{type(blocks).__name__}; a decoder's blocks must be an nn.ModuleList "
+            "that its forward iterates."
+        )
+    if "inputs_embeds" not in inspect.signature(type(base).forward).parameters:
+        raise DecoderSplitError(
+            f"{type(base).__name__}.forward takes no inputs_embeds: a later pipeline stage could not hand it the hidden "
+            "states it receives. Pipeline parallel runs a decoder whose base model takes inputs_embeds (every "
+            "transformers decoder does), or a model written for Cuboid's pipeline contract (docs/pipeline.md)."
+        )
+    config = getattr(base, "config", None)
+    base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
+    at = base_order.index(attr)
+    prefix = f"{base_path}." if base_path else ""
+    pre = [prefix + n for n in base_order[:at] if _has_params(base._modules[n])]
+    post = [prefix + n for n in base_order[at + 1 :] if _has_params(base._modules[n])]
+    if base_path:
+        owner_order = _child_order(owner, getattr(type(owner), "_pp_plan", None))
+        before = [n for n in list(owner._modules)[: list(owner._modules).index(base_path)] if n != base_path]
+        if any(_has_params(owner._modules[n]) for n in before):
+            raise DecoderSplitError(
+                f"{type(owner).__name__} has modules with parameters registered before its base model "
+                f"({[n for n in before if _has_params(owner._modules[n])]}); Cuboid runs an outer model's own pieces "
+                "after the blocks only (a head)."
+            )
+        post += [n for n in owner_order if n != base_path and _has_params(owner._modules[n])]
+    check_embeddings_pass_through(base, attr, type(base).__name__)
+    return DecoderShape(base_path, container, pre, post)
+
+
+class _Recorder(nn.Module):
+    """A stand-in block: records the hidden states it is given and returns them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.seen.append(hidden_states)
+        return hidden_states
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None:
+    """Run the base model's own forward once on a tiny input, with one recording block and every other child a
+    pass-through: the block must receive ``inputs_embeds`` itself, and the output must be what the block returned.
+    (A forward that scales the embeddings, or transforms the last hidden state outside its modules, would do it
+    again, or not at all, on a stage that starts or ends mid-stack.) Runs on CPU; the model may be on meta."""
+    probe = shallow_module_copy(base)
+    recorder = _Recorder()
+    for child in list(probe._modules):
+        probe._modules[child] = _PassThrough()
+    probe._modules[attr] = KeyedModuleList([("0", recorder)])
+    config = getattr(base, "config", None)
+    if config is not None:
+        probe.config = _stage_config(config, [0], probe_layers=1)
+    width = getattr(config, "hidden_size", 8)
+    embeds = torch.zeros(1, 4, width)
+    try:
+        out = probe(inputs_embeds=embeds, use_cache=False)
+    except Exception as err:  # the model's forward needs something a stage does not have
+        raise DecoderSplitError(
+            f"{name}.forward failed when run from inputs_embeds with its blocks replaced ({type(err).__name__}: "
+            f"{err}); Cuboid cannot run it as pipeline stages."
+        ) from err
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None and isinstance(out, tuple | list):
+        hidden = out[0]
+    if len(recorder.seen) != 1 or recorder.seen[0] is not embeds:
+        raise DecoderSplitError(
+            f"{name}.forward does not hand inputs_embeds to its first block unchanged (it scales or transforms the "
+            "embeddings itself, as Gemma does): a later pipeline stage would apply that again to the hidden states "
+            "it receives. This family is not supported under pipeline_parallel yet."
+        )
+    if hidden is not recorder.seen[0]:
+        raise DecoderSplitError(
+            f"{name}.forward changes the hidden states after its blocks outside its own modules: a stage that ends "
+            "mid-stack would apply that too early. This family is not supported under pipeline_parallel yet."
+        )
+
+
+def _stage_config(config: Any, indices: Sequence[int], probe_layers: int | None = None) -> Any:
+    """A copy of the model's config for a stage holding the blocks ``indices``: per-layer lists (``layer_types``,
+    the full or sliding-window attention of each block, which a forward reads by the block's position in the
+    stack) are cut to those blocks."""
+    staged = copy.copy(config)
+    types_ = getattr(config, "layer_types", None)
+    if isinstance(types_, list | tuple) and len(types_) == getattr(config, "num_hidden_layers", -1):
+        object.__setattr__(staged, "layer_types", [types_[i] for i in indices])
+    return staged
+
+
+@dataclass
+class _StageInfo:
+    base: str
+    first: bool
+    last: bool
+
+
+class _FixedOutput(nn.Module):
+    """Stands in for the base model inside the outer model's forward: returns the hidden states already computed."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+@contextmanager
+def _base_replaced(stage: nn.Module, base: str, hidden: torch.Tensor) -> Iterator[None]:
+    real = stage._modules[base]
+    stage._modules[base] = _FixedOutput(hidden)
+    try:
+        yield
+    finally:
+        stage._modules[base] = real
+
+
+def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """A decoder stage's forward (bound to the stage, a view of the outer model; see the module docstring)."""
+    info: _StageInfo = self.__dict__["_cuboid_stage"]
+    base = self.get_submodule(info.base) if info.base else self
+    inputs = {"input_ids" if info.first else "inputs_embeds": x}
+    out = (
+        type(base).forward(base, **inputs, use_cache=False, **kwargs)
+        if base is self
+        else base(**inputs, use_cache=False, **kwargs)
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if not info.last or not info.base:
+        return hidden
+    with _base_replaced(self, info.base, hidden):
+        return type(self).forward(self, use_cache=False).logits
+
+
+def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, value)
+
+
+def build_stage(
+    owner: nn.Module, shape: DecoderShape, keys: Sequence[str], all_keys: Sequence[str], first: bool, last: bool
+) -> nn.Module:
+    """A view of ``owner`` that runs as one pipeline stage holding the blocks ``keys`` (the first / last stage's also
+    their pieces), sharing every module with ``owner``."""
+    stage = shallow_module_copy(owner)
+    base = stage
+    if shape.base:
+        base = shallow_module_copy(owner.get_submodule(shape.base))
+        stage._modules[shape.base] = base
+    attr = shape.container.rpartition(".")[2]
+    blocks = getattr(base, attr)
+    by_key = (
+        dict(zip(all_keys, blocks._modules.values(), strict=True))
+        if not isinstance(blocks, KeyedModuleList)
+        else dict(blocks.keyed_items())
+    )
+    base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
+    if getattr(base, "config", None) is not None:
+        base.config = _stage_config(base.config, [list(all_keys).index(k) for k in keys])
+    if not first:
+        for path in shape.pre:
+            _set_path(stage, path, None)
+    if not last:
+        for path in shape.post:
+            in_base = shape.base and path.startswith(f"{shape.base}.")
+            _set_path(stage, path, nn.Identity() if in_base or not shape.base else None)
+    stage.__dict__["_cuboid_stage"] = _StageInfo(shape.base, first, last)
+    stage.forward = types.MethodType(_stage_forward, stage)
+    return stage
+
+
+def prune(
+    owner: nn.Module, shape: DecoderShape, owned: Sequence[str], all_keys: Sequence[str], first: bool, last: bool
+) -> None:
+    """Keep only this rank's blocks and pieces in ``owner`` itself (what the LightningModule's parameters, state dict
+    and checkpoints see), under the whole model's names."""
+    base = owner.get_submodule(shape.base) if shape.base else owner
+    attr = shape.container.rpartition(".")[2]
+    blocks = getattr(base, attr)
+    items = blocks.keyed_items() if isinstance(blocks, KeyedModuleList) else list(zip(all_keys, blocks, strict=True))
+    base._modules[attr] = KeyedModuleList([(k, m) for k, m in items if k in set(owned)])
+    if not first:
+        for path in shape.pre:
+            _set_path(owner, path, None)
+    if not last:
+        for path in shape.post:
+            _set_path(owner, path, None)
+
+
+@dataclass
+class CallPlan:
+    """How the step calls the decoder (``self.model(input_ids=..., attention_mask=..., labels=...)``), bound to the
+    outer model's signature: the first stage's input, the keyword tensors every stage gets with its microbatch,
+    and the labels the loss needs."""
+
+    first_input: torch.Tensor
+    stage_kwargs: dict[str, torch.Tensor]
+    labels: torch.Tensor | None
+
+    def predicted_tokens(self) -> torch.Tensor | None:
+        """transformers' ``num_items_in_batch`` for the whole batch: the tokens its causal-LM loss averages over
+        (labels shifted by one, ``-100`` left out). A device tensor: nothing is read on the host."""
+        if self.labels is None:
+            return None
+        return self.labels[..., 1:].ne(IGNORE_INDEX).sum()
+
+
+def bind_call(owner: nn.Module, args: tuple, kwargs: dict, hook: str, owner_name: str) -> CallPlan:
+    """Bind how ``hook`` called the decoder to its forward's signature; refuse what a pipeline cannot split."""
+    try:
+        bound = inspect.signature(type(owner).forward).bind(owner, *args, **kwargs).arguments
+    except TypeError as err:
+        raise DecoderSplitError(
+            f"{hook} calls self.{owner_name}(...) with arguments its forward does not take: {err}"
+        ) from None
+    bound.pop("self", None)
+    bound.update(bound.pop("kwargs", {}) or {})
+    ids = bound.pop("input_ids", None)
+    if not isinstance(ids, torch.Tensor):
+        raise DecoderSplitError(
+            f"{hook} calls self.{owner_name}(...) without input_ids; under pipeline parallelism the first stage starts "
+            "from token ids (inputs_embeds= is not supported)."
+        )
+    batch = ids.shape[0]
+    labels = bound.pop("labels", None)
+    stage_kwargs: dict[str, torch.Tensor] = {}
+    for name, value in bound.items():
+        if value is None or (name in _HARMLESS and not torch.is_tensor(value) and value in _HARMLESS[name]):
+            continue
+        if name in _LOSS_ONLY or not isinstance(value, torch.Tensor):
+            raise DecoderSplitError(
+                f"{hook} calls self.{owner_name}(..., {name}={value!r}): under pipeline parallelism a stage returns "
+                f"only its hidden states or logits. Leave {name} out of the call."
+            )
+        if value.dim() == 0 or value.shape[0] != batch:
+            raise DecoderSplitError(
+                f"{hook} passes {name} of shape {tuple(value.shape)} to self.{owner_name}(...), which cannot be split "
+                f"into microbatches with input_ids of batch size {batch}: every keyword tensor needs the batch as its "
+                "first dimension."
+            )
+        stage_kwargs[name] = value
+    if isinstance(labels, torch.Tensor):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if getattr(owner, "loss_function", None) is not ForCausalLMLoss:
+            raise DecoderSplitError(
+                f"{type(owner).__name__}'s loss is not transformers' causal-LM loss (a token mean over labels != -100), "
+                "which Cuboid weights per microbatch to give the whole batch's loss. Compute the loss in the step from "
+                f"out.logits instead of passing labels to self.{owner_name}(...)."
+            )
+        return CallPlan(ids, stage_kwargs, labels)
+    return CallPlan(ids, stage_kwargs, None)
+
+
+def microbatch_output(
+    owner: nn.Module, logits: torch.Tensor, args: tuple, kwargs: dict, predicted: torch.Tensor | None, microbatches: int
+) -> Any:
+    """What ``self.model(...)`` returns to the step on the last stage for one microbatch: the model's output class
+    with its logits and, when labels were given, the model's own loss weighted so that the microbatches' mean is
+    the loss of the whole batch (``num_items_in_batch``: the whole batch's predicted tokens)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    bound = inspect.signature(type(owner).forward).bind(owner, *args, **kwargs).arguments
+    labels = bound.get("labels")
+    loss = None
+    if labels is not None:
+        loss_fn = owner.loss_function
+        vocab = owner.config.vocab_size
+        loss = loss_fn(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=predicted) * microbatches
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
