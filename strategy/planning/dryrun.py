@@ -4,13 +4,19 @@ The LightningModule is built on the meta device and parallelized exactly as :cla
 would (tensor-parallel plan checked against the sizes, FSDP2 per block) inside one process that stands in for
 every rank through torch's fake process group, so nothing is allocated: the plan is checked and each rank's
 persistent bytes (parameters, gradients, AdamW state) are read from the local shapes of the sharded
-parameters. Pipeline parallelism is not simulated here (``pp = 1``).
+parameters. Under pipeline parallelism (``pp > 1``) the stages are not built on fake ranks: each pp rank's bytes are
+counted from the model's own split (:func:`cuboid.planning.capacity.estimate`, the count setup's fit check uses,
+equal to the measured shards on every pipeline parity layout), for Cuboid's models and Hugging Face decoders alike.
+
+    python -m cuboid.dryrun --model 70b --dp 8 --tp 8
+    python -m cuboid.dryrun --hf-config path/to/config.json --pp 4 --dp 4 --tp 8
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -30,6 +36,7 @@ class RankBytes:
     params: int
     elements: int
     total_elements: int
+    per_pp_rank: list[int] | None = None  # under pp: each pp rank's parameter bytes (params is the largest)
 
     @property
     def grads(self) -> int:
@@ -44,15 +51,22 @@ class RankBytes:
         return self.params + self.grads + self.optimizer
 
 
-def dry_run(lm: nn.Module, layout: Layout, tensor_parallel_plan: dict[str, str] | None = None) -> RankBytes:
+def dry_run(
+    lm: nn.Module,
+    layout: Layout,
+    tensor_parallel_plan: dict[str, str] | None = None,
+    pipeline_schedule: str = "1F1B",
+    virtual_stages: int | None = None,
+) -> RankBytes:
     """Parallelize ``lm`` (built on meta by its ``configure_model``) for ``layout`` on fake ranks; report rank 0's
-    persistent bytes. Raises the same plan errors as the strategy (e.g. heads not divisible by ``tp``)."""
+    persistent bytes (under pp: the largest pp rank's, and each pp rank's). Raises the same plan and pipeline errors
+    as the strategy (e.g. heads not divisible by ``tp``, a model that cannot be cut into stages)."""
     if not isinstance(layout.dp_shard, int):
         raise LayoutError("dry_run needs every size given: data_parallel_shard is 'auto'.")
     layout = layout.resolve(layout.pp * layout.dp_replicate * layout.dp_shard * layout.tp)
-    if layout.pp != 1:
-        raise LayoutError("dry_run does not simulate pipeline stages: use pipeline_parallel=1.")
     world = layout.pp * layout.dp * layout.tp
+    if layout.pp != 1:
+        return _pipeline_dry_run(lm, layout, tensor_parallel_plan, pipeline_schedule, virtual_stages)
     owns_group = not dist.is_initialized()
     if owns_group:
         compat.init_fake_process_group(world)
@@ -78,6 +92,43 @@ def dry_run(lm: nn.Module, layout: Layout, tensor_parallel_plan: dict[str, str] 
             dist.destroy_process_group()
 
 
+def _pipeline_dry_run(
+    lm: nn.Module, layout: Layout, plan: dict[str, str] | None, schedule: str, virtual_stages: int | None
+) -> RankBytes:
+    from cuboid.pipeline import Pipelining
+    from cuboid.planning import capacity
+    from cuboid.step import loss_parallel
+
+    if callable(getattr(lm, "configure_model", None)):
+        lm.configure_model()
+    matched, _ = loss_parallel.under_pipeline(plans.resolve_plan(lm, plan, layout.tp), layout.pp)
+    blocks = plans.find_blocks(lm, None)
+    pipelining = Pipelining(layout.pp, schedule, virtual_stages=virtual_stages)
+    per_rank = capacity.estimate(lm, layout, matched, blocks, pipelining).per_pp_rank
+    elements = capacity.estimate(lm, layout, matched, blocks, pipelining, param_bytes=1).per_pp_rank
+    worst = max(range(layout.pp), key=per_rank.__getitem__)
+    total = sum(p.numel() for p in lm.parameters())
+    world = layout.pp * layout.dp * layout.tp
+    return RankBytes(world, per_rank[worst], elements[worst], total, per_pp_rank=per_rank)
+
+
+def _hf_module(config_path: str) -> nn.Module:
+    """A LightningModule holding a transformers model built on meta from ``config_path`` (a config.json or its
+    directory), as a user's would."""
+    import lightning as L
+    import transformers
+
+    class HFModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = transformers.AutoModelForCausalLM.from_config(
+                    transformers.AutoConfig.from_pretrained(config_path)
+                )
+
+    return HFModel()
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -85,15 +136,23 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m cuboid.dryrun", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="8b", help="a named size of cuboid.models (debug, 150m, 1b, 3b, 8b, 70b)")
+    parser.add_argument("--hf-config", default=None, help="a transformers config.json (or its directory) instead")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel")
+    parser.add_argument("--schedule", default="1F1B", help="pipeline_schedule (under --pp)")
     parser.add_argument("--dp", type=int, default=8, help="data_parallel_shard")
     parser.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel")
     args = parser.parse_args(argv)
-    report = dry_run(CausalLM(model=args.model, meta_init=True), Layout(1, args.replicate, args.dp, args.tp))
+    lm = _hf_module(args.hf_config) if args.hf_config else CausalLM(model=args.model, meta_init=True)
+    report = dry_run(lm, Layout(args.pp, args.replicate, args.dp, args.tp), pipeline_schedule=args.schedule)
     gib = 2**30
+    name = args.hf_config or args.model
     print(
-        f"{args.model} on dp_replicate={args.replicate} x dp_shard={args.dp} x tp={args.tp} ({report.world} ranks): "
-        f"{report.total_elements / 1e9:.2f}B parameters, {report.elements / 1e9:.3f}B on rank 0; fp32 AdamW "
+        f"{name} on pp={args.pp} x dp_replicate={args.replicate} x dp_shard={args.dp} x tp={args.tp} "
+        f"({report.world} ranks): "
+        f"{report.total_elements / 1e9:.2f}B parameters, {report.elements / 1e9:.3f}B on the fullest rank; fp32 AdamW "
         f"persistent bytes per rank: params {report.params / gib:.2f} GiB, grads {report.grads / gib:.2f} GiB, "
         f"optimizer {report.optimizer / gib:.2f} GiB, total {report.total / gib:.2f} GiB (activations not included)"
     )
+    for rank, nbytes in enumerate(report.per_pp_rank or []):
+        print(f"  pp rank {rank}: params {nbytes / gib:.3f} GiB, with grads and AdamW {4 * nbytes / gib:.3f} GiB")

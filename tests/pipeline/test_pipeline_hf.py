@@ -351,3 +351,24 @@ def test_a_step_that_calls_the_model_twice_is_refused() -> None:
     standin(torch.zeros(1))
     with pytest.raises(PipelineError, match="calls self.model\\(...\\) 2 times in one step"):
         standin(torch.zeros(1))
+
+
+@pytest.mark.slow
+def test_dry_run_counts_each_stage_of_a_transformers_model(results) -> None:
+    """python -m cuboid.dryrun's count for Qwen3 at pp2 x tp2 (built on meta, never parallelized) equals the
+    parameter bytes each pp rank held in the real run."""
+    import lightning as L
+
+    from cuboid.parallel.mesh import Layout
+    from cuboid.planning import dry_run
+
+    class OnMeta(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = third_party.build_model("hf_qwen3")
+
+    report = dry_run(OnMeta(), Layout(2, 1, 1, 2))
+    ranks = results["hf_qwen3-pp2xtp2"]["ranks"]
+    measured = [max(f["bytes"]["params"] for f in ranks if f["rank"] // 2 == pp) for pp in range(2)]
+    assert report.per_pp_rank == measured, (report.per_pp_rank, measured)
