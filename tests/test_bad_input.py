@@ -103,6 +103,47 @@ def _train_config(**overrides: object) -> None:
 
 
 # name -> (what to run, exception type, a regex the message must contain)
+
+
+def _decoder_that_scales_embeddings_in_forward() -> None:
+    """transformers' Granite multiplies inputs_embeds inside its base model's forward; cut for pp2."""
+    import transformers
+
+    config = transformers.GraniteConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, embedding_multiplier=12.0,
+    )  # fmt: skip
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    lm = Module()
+    find_pipeline_split(lm, find_blocks(lm))
+
+
+def _pipelined_step_calling_the_model_twice() -> None:
+    from cuboid.pipeline.runner import _StageOutput
+
+    standin = _StageOutput(nn.Linear(2, 2), torch.zeros(1), "training_step", "model", None)
+    standin(torch.zeros(1))
+    standin(torch.zeros(1))
+
+
+def _keyword_tensor_without_the_batch_dimension() -> None:
+    import transformers
+
+    from cuboid.pipeline.decoder import bind_call
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    bind_call(model, (), {"input_ids": ids, "position_ids": torch.arange(8)}, "training_step", "model")
+
+
 CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
     "sizes that do not multiply to the world size": (
         lambda: Layout(dp_shard=3, tp=2).resolve(4),
@@ -205,6 +246,21 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         PipelineError,
         "nn.ModuleDict keyed '0', '1'",
     ),  # fmt: skip
+    "a transformers decoder that transforms its embeddings inside forward, under pp": (
+        _decoder_that_scales_embeddings_in_forward,
+        PipelineError,
+        "does not hand inputs_embeds to its first block unchanged",
+    ),
+    "a pipelined step that calls the model twice": (
+        _pipelined_step_calling_the_model_twice,
+        PipelineError,
+        r"calls self.model\(...\) 2 times in one step",
+    ),
+    "a keyword tensor without the batch dimension, under pp": (
+        _keyword_tensor_without_the_batch_dimension,
+        ValueError,
+        r"passes position_ids of shape \(8,\) to self.model\(...\), which cannot be split into microbatches",
+    ),
     "an unknown tensor-parallel style": (
         lambda: match_plan(_Wrapper(), {"model.layers.*.attention.wq": "diagonal"}),
         PlanError,

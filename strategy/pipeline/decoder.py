@@ -19,7 +19,7 @@ The loss is the model's own loss function, on the last stage, per microbatch, wi
 
 Which models qualify (checked when the stages are built, each failure named): the blocks sit in a
 ``ModuleList`` of the base model, whose ``forward`` takes ``inputs_embeds``; the base model hands ``inputs_embeds``
-to the first block untouched (a model that scales its embeddings inside ``forward``, as Gemma does, would scale
+to the first block untouched (a model that scales its embeddings inside ``forward``, as Granite does, would scale
 them again on every later stage, and is refused); the outer model calls the base model and reads
 ``last_hidden_state``.
 """
@@ -179,7 +179,7 @@ def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None
     if len(recorder.seen) != 1 or recorder.seen[0] is not embeds:
         raise DecoderSplitError(
             f"{name}.forward does not hand inputs_embeds to its first block unchanged (it scales or transforms the "
-            "embeddings itself, as Gemma does): a later pipeline stage would apply that again to the hidden states "
+            "embeddings itself, as Granite does): a later pipeline stage would apply that again to the hidden states "
             "it receives. This family is not supported under pipeline_parallel yet."
         )
     if hidden is not recorder.seen[0]:

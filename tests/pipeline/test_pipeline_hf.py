@@ -1,5 +1,8 @@
 """Pipeline parallel on unmodified transformers decoders, in a LightningModule written the way users write one.
 
+Schedules: 1F1B (the default), Interleaved1F1B with two stages per rank, ZBVZeroBubble, GPipe with an uneven
+pipeline_split; composed with FSDP (dp), the model's own TP plan (tp) and both.
+
 The step is ``self.model(input_ids=..., [attention_mask=..., ] labels=...).loss``; the model is
 ``AutoModelForCausalLM.from_config(...)`` (Llama, Qwen3, Mistral with a sliding window, Llama with tied
 embeddings), never edited. Every layout must match single-process fp32 training of the same model within the one
@@ -49,6 +52,12 @@ RUNS: dict[str, Run] = {
     "hf_mistral-pp2-padded": Run(2, {"model": "hf_mistral", "strategy": PP2, "padded": True}),
     "hf_llama_tied-pp2": Run(2, {"model": "hf_llama_tied", "strategy": PP2}),
     "hf_qwen3-interleaved_v2-padded": Run(2, {"model": "hf_qwen3", "strategy": INTERLEAVED, "padded": True}),
+    "hf_qwen3-pp2-ZBVZeroBubble": Run(
+        2, {"model": "hf_qwen3", "strategy": {**PP2, "pipeline_schedule": "ZBVZeroBubble"}}
+    ),
+    "hf_llama-pp2-GPipe-split_1_3": Run(
+        2, {"model": "hf_llama", "strategy": {**PP2, "pipeline_schedule": "GPipe", "pipeline_split": [1, 3]}}
+    ),
     "hf_llama-pp2xdp2-padded": Run(4, {"model": "hf_llama", "strategy": PP2, "padded": True}),
     "hf_qwen3-pp2xtp2": Run(4, {"model": "hf_qwen3", "strategy": {**PP2, **TP2}}),
     "hf_llama-pp2xdp2xtp2-padded": Run(8, {"model": "hf_llama", "strategy": {**PP2, **TP2}, "padded": True}),

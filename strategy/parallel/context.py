@@ -1,0 +1,113 @@
+"""Context parallel's exact attention: each cp rank holds a load-balanced share of every sequence's tokens.
+
+A sequence of ``S`` tokens is cut into ``2 x cp`` equal chunks; cp rank ``i`` holds chunks ``i`` and
+``2 cp - 1 - i``, so under a causal mask every rank carries the same amount of work (no rank holds the long end of
+the triangle alone). Attention over the whole sequence is exact: each rank gathers every rank's keys and values
+over the cp group (an all-gather in forward whose backward sums each chunk's key and value gradients back to the
+rank that holds it: a reduce-scatter, written as an all-reduce and a slice on gloo, which has no reduce-scatter),
+and masks by the tokens' *global* positions. Equal to full attention up to float32 round-off
+(``tests/parallel/test_context.py``).
+
+This is the CPU/gloo path; torch's ring attention (``context_parallel``) is the GPU fast path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class ContextParallelError(ValueError):
+    """A sequence or attention call that cannot be split over context-parallel ranks; the message says the fix."""
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of ``2 x cp``) that cp rank ``cp_rank`` holds: ``i`` and ``2 cp - 1 - i``."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of the tokens cp rank ``cp_rank`` holds, in its local order."""
+    if seq_len % (2 * cp):
+        raise ContextParallelError(
+            f"a sequence of {seq_len} tokens cannot be split over context_parallel={cp}: it needs a multiple of "
+            f"2 x cp = {2 * cp} tokens (each rank holds two chunks). Pad or trim the sequences to a multiple of {2 * cp}."
+        )
+    size = seq_len // (2 * cp)
+    first, second = chunk_ids(cp_rank, cp)
+    return torch.cat(
+        [
+            torch.arange(first * size, (first + 1) * size, device=device),
+            torch.arange(second * size, (second + 1) * size, device=device),
+        ]
+    )
+
+
+def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's tokens of ``tensor`` along ``dim`` (its two load-balanced chunks, concatenated)."""
+    index = local_positions(tensor.shape[dim], cp_rank, cp, tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence back from every cp rank's shard (in cp rank order), in global order."""
+    cp = len(shards)
+    halves = [piece for shard in shards for piece in shard.chunk(2, dim)]  # rank r: chunk r, then chunk 2cp-1-r
+    order = [None] * (2 * cp)
+    for rank in range(cp):
+        first, second = chunk_ids(rank, cp)
+        order[first], order[second] = halves[2 * rank], halves[2 * rank + 1]
+    return torch.cat(order, dim)  # type: ignore[arg-type]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim over ``group`` (cp rank order); backward: each rank gets the sum of every
+    rank's gradient for its own shard."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter: sum everything, keep this rank's part
+        rank = dist.get_rank(ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), ctx.dim)[rank].contiguous(), None, None
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every cp rank's shard of ``local`` concatenated along ``dim``, differentiable."""
+    return _GatherSequence.apply(local, group, dim)
+
+
+def cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: dist.ProcessGroup,
+    seq_len: int,
+    is_causal: bool = True,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries over every rank's keys and values.
+
+    ``query``, ``key``, ``value``: ``(batch, heads, local_tokens, head_dim)``, this rank's load-balanced share of a
+    sequence of ``seq_len`` tokens (``key``/``value`` may have fewer heads with ``enable_gqa``). The mask is
+    causal on global positions (or none).
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
+    mask = None
+    if is_causal:
+        q_pos = local_positions(seq_len, rank, cp, query.device)
+        k_pos = torch.cat([local_positions(seq_len, r, cp, query.device) for r in range(cp)])
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
