@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from pathlib import Path
+
+# SLURM's commands, shadowed for the whole session by decoys that record any call: the suite simulates SLURM with
+# its variables, and must never reach a real controller (on a cluster's login node job 4242 may be someone's).
+SLURM_COMMANDS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sacct")
+_DECOYS = Path(tempfile.mkdtemp(prefix="cuboid-slurm-decoys-"))
+DECOY_LOG = _DECOYS / "calls.log"
+
+
+def pytest_configure(config) -> None:
+    for name in SLURM_COMMANDS:
+        decoy = _DECOYS / name
+        decoy.write_text(f'#!/bin/sh\necho "{name} $* (SLURM_CONF=$SLURM_CONF)" >> {DECOY_LOG}\nexit 1\n')
+        decoy.chmod(0o755)
+    os.environ["PATH"] = f"{_DECOYS}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A call that reached a SLURM command fails the run, naming it."""
+    if DECOY_LOG.exists() and DECOY_LOG.read_text().strip():
+        session.config._cuboid_slurm_calls = DECOY_LOG.read_text()
+        session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    """Print the parity table (layout -> measured errors) when the parity tests ran."""
+    """Print the parity table (layout -> measured errors) when the parity tests ran, and any SLURM command a test
+    reached."""
+    calls = getattr(config, "_cuboid_slurm_calls", None)
+    if calls:
+        terminalreporter.section("SLURM commands reached during the suite (the run fails)")
+        terminalreporter.write_line(calls)
     table = getattr(sys.modules.get("test_parity"), "PARITY_TABLE", None)
     if not table:
         return

@@ -428,8 +428,9 @@ def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path
 @pytest.mark.slow
 def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Path) -> None:
     """Two tasks with SLURM's variables (one node, job 4242, no launcher of ours): SIGUSR1 to task 1 only, after
-    the step-10 checkpoint. Both tasks stop after the same step with one checkpoint and exit 0 (SLURM's --requeue
-    then starts the job again; ``scontrol`` is not installed here, so rank 0 says so instead of calling it). The
+    the step-10 checkpoint. Both tasks stop after the same step with one checkpoint and exit 0, rank 0 asking once
+    for ``requeue 4242`` from the test's own recorder (``CUBOID_SCONTROL``: a test that simulates SLURM never
+    reaches a real controller, which on a login node could requeue a stranger's job 4242). The
     requeued job (same variables, same run directory) resumes there into the same W&B run, and its losses and
     final validation equal an uninterrupted run's under the same variables."""
     import signal
@@ -437,11 +438,17 @@ def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Pa
     steps = ["trainer.max_steps=40", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
              "trainer.enable_progress_bar=false", "trainer.devices=2"]  # fmt: skip
 
+    calls = tmp_path / "scontrol_calls.txt"
+    recorder = tmp_path / "scontrol"
+    recorder.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    recorder.chmod(0o755)
+
     def launch(run: Path) -> list[subprocess.Popen]:
         port = free_port()
         args = [sys.executable, TRAIN, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *steps, f"hydra.run.dir={run}"]
-        return [subprocess.Popen(args, cwd=tmp_path, env=slurm_env(r, nodes=1, per_node=2, port=port),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+        env = [{**slurm_env(r, nodes=1, per_node=2, port=port), "CUBOID_SCONTROL": str(recorder)} for r in range(2)]
+        return [subprocess.Popen(args, cwd=tmp_path, env=env[r], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for r in range(2)]  # fmt: skip
 
     def finish(procs: list[subprocess.Popen]) -> list[str]:
         outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -458,7 +465,8 @@ def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Pa
         time.sleep(0.05)
     os.kill(procs[1].pid, signal.SIGUSR1)  # task 1 only: the other learns of it through the per-step agreement
     outs = finish(procs)
-    assert "not under SLURM with scontrol" in outs[0], outs[0][-3000:]
+    assert calls.read_text() == "requeue 4242\n", calls.read_text()  # once, by rank 0, for this job
+    assert f"{recorder} requeue 4242 -> exit code 0" in outs[0], outs[0][-3000:]
     saved = list((run / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(saved) == 1
     n = int(saved[0].name.split("=")[1].split(".")[0])
