@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-VOCAB_SIZE = 256  # byte-level tokens
 DEFAULT_PATTERNS = ("*.py", "*.txt", "*.md", "*.rst")
 
 

@@ -202,24 +202,20 @@ def load_full(
             "directories and full files, and Lightning's (DDP, ModelParallelStrategy, FSDPStrategy) checkpoints."
         )
     extra = payload.get("cuboid", {})
-    saved, by_name = payload.pop("optimizer_states", None), False
-    if saved is None:  # Cuboid full files from before optimizer_states was written in torch.optim's format
-        saved, by_name = extra.pop("optimizer_states", None) or None, True
+    saved = payload.pop("optimizer_states", None)
     if optimizers and saved is not None and len(saved) != len(optimizers):
         raise CheckpointError(
             f"{path} holds {len(saved)} optimizer states but the LightningModule configures {len(optimizers)}."
         )
     stored_opts: list[dict[str, Any]] = []
     if optimizers and saved:
-        stored_opts = saved
-        if not by_name:
-            groups = lightning_format.optimizer_groups(module, optimizers, model_order)
-            try:
-                stored_opts = [
-                    lightning_format.from_positional(o, g, str(path)) for o, g in zip(saved, groups, strict=True)
-                ]
-            except lightning_format.FormatError as err:
-                raise CheckpointError(str(err)) from None
+        groups = lightning_format.optimizer_groups(module, optimizers, model_order)
+        try:
+            stored_opts = [
+                lightning_format.from_positional(o, g, str(path)) for o, g in zip(saved, groups, strict=True)
+            ]
+        except lightning_format.FormatError as err:
+            raise CheckpointError(str(err)) from None
     stored = {"model": payload.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(stored_opts)}}
     reader = _MappedReader(stored)
     load_state(path, module, optimizers, strict, set(reader.flat), storage_reader=reader)
