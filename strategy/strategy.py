@@ -38,7 +38,6 @@ from cuboid.parallel.styles import canonical_style
 from cuboid.pipeline import Pipelining, batch_and_index
 from cuboid.planning import capacity
 from cuboid.step import loss_parallel
-from cuboid.step.loss_parallel import LossParallel
 from cuboid.step.nonfinite import NonFiniteGuard
 from cuboid.step.precision import CuboidPrecision
 
@@ -161,7 +160,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
-        self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
+        self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

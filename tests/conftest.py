@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +28,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if DECOY_LOG.exists() and DECOY_LOG.read_text().strip():
         session.config._cuboid_slurm_calls = DECOY_LOG.read_text()
         session.exitstatus = 1
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_DECOYS, ignore_errors=True)  # the decoys' directory goes with the session
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

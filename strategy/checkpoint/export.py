@@ -90,38 +90,37 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"cuboid.export: {err}") from None
     from safetensors.torch import save_file
 
-    if args.hf is not None:
-        import json
-
-        from cuboid.models.llama import CONFIGS, LlamaConfig, to_hf_llama
-
-        if args.hf in CONFIGS:
-            cfg = CONFIGS[args.hf]
-        else:
-            from omegaconf import OmegaConf
-
-            fields = OmegaConf.to_container(OmegaConf.load(args.hf))
-            fields.pop("_target_", None)
-            cfg = LlamaConfig(**fields)
-        mine = {k[len(args.prefix) :]: v for k, v in weights.items() if k.startswith(args.prefix)}
-        weights, config = to_hf_llama(mine, cfg)
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(
-            json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
-        )
-        args.out = str(out_dir / "model.safetensors")
-    elif args.config is not None:
-        config = Path(args.config)
-        config = config / "config.json" if config.is_dir() else config
-        if not config.is_file():
-            raise SystemExit(f"cuboid.export: --config {args.config}: no config.json there.")
+    if args.hf is not None or args.config is not None:  # a directory: the weights under the model's own names
+        config_file = None
+        if args.config is not None:
+            config_file = Path(args.config)
+            config_file = config_file / "config.json" if config_file.is_dir() else config_file
+            if not config_file.is_file():
+                raise SystemExit(f"cuboid.export: --config {args.config}: no config.json there.")
         weights = {k[len(args.prefix) :]: v for k, v in weights.items() if k.startswith(args.prefix)}
         if not weights:
             raise SystemExit(f"cuboid.export: no weights under the prefix {args.prefix!r}; set --prefix.")
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(config.read_text())
+        if config_file is not None:
+            (out_dir / "config.json").write_text(config_file.read_text())
+        else:
+            import json
+
+            from cuboid.models.llama import CONFIGS, LlamaConfig, to_hf_llama
+
+            if args.hf in CONFIGS:
+                cfg = CONFIGS[args.hf]
+            else:
+                from omegaconf import OmegaConf
+
+                fields = OmegaConf.to_container(OmegaConf.load(args.hf))
+                fields.pop("_target_", None)
+                cfg = LlamaConfig(**fields)
+            weights, config = to_hf_llama(weights, cfg)
+            (out_dir / "config.json").write_text(
+                json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
+            )
         args.out = str(out_dir / "model.safetensors")
     save_file({k: v.contiguous() for k, v in weights.items()}, args.out, metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in weights.values())

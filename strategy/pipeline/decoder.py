@@ -163,7 +163,7 @@ def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None
     probe._modules[attr] = KeyedModuleList([("0", recorder)])
     config = getattr(base, "config", None)
     if config is not None:
-        probe.config = _stage_config(config, [0], probe_layers=1)
+        probe.config = _stage_config(config, [0])
     width = getattr(config, "hidden_size", 8)
     embeds = torch.zeros(1, 4, width)
     try:
@@ -189,7 +189,7 @@ def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None
         )
 
 
-def _stage_config(config: Any, indices: Sequence[int], probe_layers: int | None = None) -> Any:
+def _stage_config(config: Any, indices: Sequence[int]) -> Any:
     """A copy of the model's config for a stage holding the blocks ``indices``: per-layer lists (``layer_types``,
     the full or sliding-window attention of each block, which a forward reads by the block's position in the
     stack) are cut to those blocks."""
@@ -263,12 +263,7 @@ def build_stage(
         base = shallow_module_copy(owner.get_submodule(shape.base))
         stage._modules[shape.base] = base
     attr = shape.container.rpartition(".")[2]
-    blocks = getattr(base, attr)
-    by_key = (
-        dict(zip(all_keys, blocks._modules.values(), strict=True))
-        if not isinstance(blocks, KeyedModuleList)
-        else dict(blocks.keyed_items())
-    )
+    by_key = getattr(base, attr)._modules  # keyed as in the whole model (a ModuleList's "0", "1", ...)
     base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
     if getattr(base, "config", None) is not None:
         base.config = _stage_config(base.config, [list(all_keys).index(k) for k in keys])
@@ -284,16 +279,13 @@ def build_stage(
     return stage
 
 
-def prune(
-    owner: nn.Module, shape: DecoderShape, owned: Sequence[str], all_keys: Sequence[str], first: bool, last: bool
-) -> None:
+def prune(owner: nn.Module, shape: DecoderShape, owned: Sequence[str], first: bool, last: bool) -> None:
     """Keep only this rank's blocks and pieces in ``owner`` itself (what the LightningModule's parameters, state dict
     and checkpoints see), under the whole model's names."""
     base = owner.get_submodule(shape.base) if shape.base else owner
     attr = shape.container.rpartition(".")[2]
-    blocks = getattr(base, attr)
-    items = blocks.keyed_items() if isinstance(blocks, KeyedModuleList) else list(zip(all_keys, blocks, strict=True))
-    base._modules[attr] = KeyedModuleList([(k, m) for k, m in items if k in set(owned)])
+    keep = set(owned)
+    base._modules[attr] = KeyedModuleList([(k, m) for k, m in getattr(base, attr)._modules.items() if k in keep])
     if not first:
         for path in shape.pre:
             _set_path(owner, path, None)

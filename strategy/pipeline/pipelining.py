@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from cuboid.parallel.build import ParallelSettings
 from cuboid.pipeline import stages as pipeline
+from cuboid.pipeline.decoder import DecoderShape
 from cuboid.pipeline.runner import PipelineRunner
 
 
@@ -69,7 +70,7 @@ class Pipelining:
         self.reshard_after_forward = reshard_after_forward
         self.runner: PipelineRunner | None = None
         self._owner = ""
-        self._shape: Any = None  # a Hugging Face decoder's cut (cuboid.pipeline.decoder), None for Cuboid's contract
+        self._shape: DecoderShape | None = None  # a Hugging Face decoder's cut; None for Cuboid's contract
         self._stashed_grads: list[Tensor | None] = []
         self._tied: list[nn.Parameter] = []
         self._tied_names: list[list[str]] = []

@@ -181,7 +181,7 @@ def build_stages(
             for sid in my_stages
         ]
         owned = [keys[i] for sid in my_stages for i in blocks_per_stage[sid]]
-        decoder.prune(owner, split.shape, owned, keys, 0 in my_stages, n_stages - 1 in my_stages)
+        decoder.prune(owner, split.shape, owned, 0 in my_stages, n_stages - 1 in my_stages)
         return owner, stage_modules
     stage_modules = []
     for sid in my_stages:
