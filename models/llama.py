@@ -155,10 +155,13 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cache(seq_len: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary angles as a ``(seq_len, head_dim)`` tensor of cos and sin stacked on a last dim of 2 (fp32); the
-    frequencies repeat over the two halves of a head (the rotate-half layout of Hugging Face's Llama)."""
-    angles = torch.outer(torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
+def rope_cache(positions: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary angles of ``positions`` (a length: ``0 .. n-1``; or position ids, ``(seq,)`` or ``(b, seq)``) as a
+    ``(seq, head_dim, 2)`` (or ``(b, seq, head_dim, 2)``) tensor of cos and sin (fp32); the frequencies repeat over
+    the two halves of a head (the rotate-half layout of Hugging Face's Llama)."""
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=inv_freq.device)
+    angles = positions.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -166,7 +169,8 @@ def rope_cache(seq_len: int, inv_freq: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape ``(b, s, heads, head_dim)``: the first half of each head pairs with the second."""
     xf = x.float()
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    rope = rope if rope.dim() == 4 else rope.unsqueeze(0)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     first, second = xf.chunk(2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
     return (xf * cos + rotated * sin).type_as(x)
@@ -182,11 +186,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        # Rotary angles for this input's length (here, not in Llama.forward: between blocks the hidden state may be
-        # a slice of the sequence, as under sequence parallelism).
-        rope = rope_cache(s, rope_frequencies(self.cfg).to(x.device))
+        # Rotary angles for this input's tokens (here, not in Llama.forward: between blocks the hidden state may be
+        # a slice of the sequence, as under sequence parallelism); ``position_ids`` default to 0 .. s-1.
+        rope = rope_cache(s if position_ids is None else position_ids, rope_frequencies(self.cfg).to(x.device))
         # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope)
@@ -216,8 +220,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), position_ids=position_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -279,10 +283,12 @@ class Llama(nn.Module):
         """Differences between this model and a Hugging Face ``config.json`` found beside the weights."""
         return check_hf_config(self.cfg, config)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(b, s, vocab)`` of ``tokens`` ``(b, s)``; ``position_ids`` (``(s,)`` or ``(b, s)``, default
+        ``0 .. s-1``) are the tokens' positions in their sequences, for the rotary embedding."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, position_ids=position_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

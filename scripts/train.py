@@ -100,7 +100,13 @@ def resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Path) -> str | None:
 def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
     if isinstance(strategy, CuboidStrategy):
         layout = strategy.layout.resolve(world_size)
-        return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+        return {
+            "pp": layout.pp,
+            "dp_replicate": layout.dp_replicate,
+            "dp_shard": layout.dp_shard,
+            "cp": layout.cp,
+            "tp": layout.tp,
+        }
     return {"strategy": type(strategy).__name__, "world_size": world_size}
 
 

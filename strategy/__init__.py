@@ -1,9 +1,9 @@
-"""Cuboid: a PyTorch Lightning strategy for pp x dp x tp training on one device mesh.
+"""Cuboid: a PyTorch Lightning strategy for pp x dp x cp x tp training on one device mesh.
 
 ``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")``.
 
 The package's face: the names users import. Behind it, the wings (``cuboid.parallel``, ``cuboid.pipeline``,
-``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``) each name their own public API;
+``cuboid.context``, ``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``) each name their own public API;
 ``docs/architecture.md`` draws the house.
 """
 
@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
+from cuboid.context import ContextParallelError
 from cuboid.job import RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
@@ -23,6 +24,7 @@ if CuboidStrategy.strategy_name not in StrategyRegistry:
 __all__ = [
     "CheckpointError",
     "CommLedger",
+    "ContextParallelError",
     "CuboidMonitor",
     "CuboidPrecision",
     "CuboidStrategy",

@@ -232,6 +232,15 @@ class PointToPointCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def torch_function_modes() -> list[Any]:
+    """The ``TorchFunctionMode`` stack now active, outermost first. ``torch.overrides`` has no public reader of it in
+    torch 2.13; activation checkpointing needs it because the autograd engine runs a recompute without the modes
+    its forward ran under (pinned in tests/test_compat.py)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
     twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name

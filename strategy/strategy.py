@@ -1,8 +1,8 @@
-"""The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x tp mesh.
+"""The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x cp x tp mesh.
 
 Each hook delegates to a collaborator that owns its state: the layout and mesh (``cuboid.parallel``), the
 pipeline (``cuboid.pipeline.Pipelining``), the checkpointer (``cuboid.checkpoint.Checkpointer``), the job's
-guard (``cuboid.job.JobGuard``) and the step's numerics (``cuboid.step``). :meth:`CuboidStrategy._parallelize`
+guard (``cuboid.job.JobGuard``), context parallel (``cuboid.context``) and the step's numerics (``cuboid.step``). :meth:`CuboidStrategy._parallelize`
 chooses the route: a pipelined build, which keeps this rank's stages and parallelizes each, or a plain one.
 """
 
@@ -28,10 +28,11 @@ from cuboid import compat
 from cuboid.checkpoint import Checkpointer
 from cuboid.checkpoint import pretrained as pretrained_weights
 from cuboid.checkpoint.hooks import CheckpointHooks
+from cuboid.context import ContextParallel
 from cuboid.job import JobGuard
 from cuboid.job import launch as job_launch
 from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import DP_DIMS, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.parallel.mesh import FLATTENED, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
 from cuboid.parallel.mesh_strategy import MeshStrategy
 from cuboid.parallel.parallelize import ACMode, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
 from cuboid.parallel.styles import canonical_style
@@ -45,11 +46,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
-_FLATTENED = {"dp": DP_DIMS}
-
 
 class CuboidStrategy(CheckpointHooks, MeshStrategy):
-    """Train one LightningModule on a pp x dp_replicate x dp_shard x tp cuboid of devices.
+    """Train one LightningModule on a pp x dp_replicate x dp_shard x cp x tp cuboid of devices.
 
     FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard``
     (replicated over ``dp_replicate`` for HSDP); tensor parallelism (DTensor) splits layers over
@@ -66,6 +65,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         data_parallel_shard: FSDP shard group (``dp_shard``); ``"auto"`` fills the world size. On a GPU, a layout
             whose parameters and gradients alone exceed the device is refused before anything is materialized.
         tensor_parallel: Tensor-parallel degree (``tp``), the innermost dim: keep it within a node.
+        context_parallel: Context-parallel degree (``cp``): each sequence split over ``cp`` ranks, load-balanced for
+            causal attention; FSDP shards over ``dp_shard x cp``; the step is unchanged (``docs/context.md``).
         tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``, ``"embedding"``,
             ``"output"``, ``"sequence_parallel"``), names as seen from the LightningModule, e.g.
             ``{"model.layers.*.attention.wq": "colwise"}``. Default: the model's own ``tp_plan`` (or a Hugging Face
@@ -111,6 +112,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         data_parallel_replicate: int = 1,
         data_parallel_shard: int | Literal["auto"] = "auto",
         tensor_parallel: int = 1,
+        context_parallel: int = 1,
         tensor_parallel_plan: Mapping[str, str] | None = None,
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
@@ -148,7 +150,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         check_ac_mode(activation_checkpointing)
         for pattern, style in (tensor_parallel_plan or {}).items():
             canonical_style(style, pattern)
-        self.layout = Layout(pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel)
+        sizes = (pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
+        self.layout = Layout(*sizes)
+        self.context = ContextParallel(context_parallel)
         self._dp_shard_auto = data_parallel_shard == "auto"
         self.fit_estimate: capacity.Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
@@ -220,7 +224,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
         self.faults.after_mesh(self._device_mesh, MESH_NAMES, self.global_rank)
-        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, _FLATTENED)
+        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
@@ -271,17 +275,13 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _device_capacity(self) -> float | None:
-        """Bytes a rank's parameters, gradients and optimizer state may take on its device (a GPU's total memory);
-        None where nothing is checked: on CPU, and with CPU offload (they live on the host)."""
-        if self.root_device.type != "cuda" or self.cpu_offload:
-            return None
-        return float(torch.cuda.get_device_properties(self.root_device).total_memory)
+        return capacity.device_bytes(self.root_device, self.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
         parallelizes the whole module. Weights are prepared before either and filled once sharded."""
         matched = plans.resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
-        matched, self.loss_parallel.enabled = loss_parallel.under_pipeline(matched, self.layout.pp)
+        matched, self.loss_parallel.enabled = loss_parallel.under_layout(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled
         if pipelined:  # positions in a Lightning optimizer state follow the whole model's order
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
@@ -307,6 +307,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         build.finish_weights(lm, weights, blocks, self.root_device, mesh["dp"], self.cpu_offload)
         if pipelined:
             self.pipelining.build_schedule(stages, mesh, self.root_device)
+        if self.context.enabled:  # under pp, the runner cuts the schedule's inputs
+            self.context.setup(lm, [name for name, _ in blocks], mesh["cp"].get_group(), self.pipelining.runner)
         self.precision_plugin.counted_elsewhere = self.pipelining.counted_elsewhere
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
@@ -329,7 +331,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_parallel.step(self.lightning_module):
+        with self.context.step(), self.loss_parallel.step(self.lightning_module):
             return loss_parallel.plain_output(step(*args, **kwargs))
 
     @override
@@ -340,7 +342,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             return self._plain_step(super().training_step, *args, **kwargs)
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
-        return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
+        with self.context.step():
+            return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -365,7 +368,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
-        return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
+        with self.context.step():
+            return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -88,16 +88,20 @@ class Reference:
 
 
 def reference_run(
-    accumulate: int = 1, epochs: int = 1, clip: float | None = -1.0, initial: dict[str, torch.Tensor] | None = None
+    accumulate: int = 1,
+    epochs: int = 1,
+    clip: float | None = -1.0,
+    initial: dict[str, torch.Tensor] | None = None,
+    seq: int = SEQ,
 ) -> Reference:
     """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
-    not clipped), from :func:`initial_model` or the weights ``initial``."""
+    not clipped), from :func:`initial_model` or the weights ``initial``; sequences of ``seq`` tokens."""
     max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
     model = initial_model()
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    data = TokenDataset()
+    data = TokenDataset(seq=seq)
     losses, norms = [], []
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()

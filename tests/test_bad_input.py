@@ -144,6 +144,35 @@ def _keyword_tensor_without_the_batch_dimension() -> None:
     bind_call(model, (), {"input_ids": ids, "position_ids": torch.arange(8)}, "training_step", "model")
 
 
+def _cp_step(model: torch.nn.Module, *args: object, **kwargs: object) -> None:
+    """Call ``model`` as a context-parallel step at cp=2 would (rank 0 of 2; no process group is reached before the
+    refusal)."""
+    from cuboid.context import ContextParallel
+    from cuboid.context.hf import use_cp_attention
+
+    cp = ContextParallel(2)
+    cp._transformers = use_cp_attention(model)
+    cp.positions_keyword = "position_ids"
+    model.register_forward_pre_hook(cp._shard_inputs, with_kwargs=True)
+    with cp.step():
+        model(*args, **kwargs)
+
+
+def _tiny_hf(family: str = "llama", **extra: object) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **extra
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _no_position_ids() -> None:
+    from cuboid.context import positions_keyword
+
+    positions_keyword(torch.nn.Embedding(4, 4))
+
+
 CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
     "sizes that do not multiply to the world size": (
         lambda: Layout(dp_shard=3, tp=2).resolve(4),
@@ -324,6 +353,36 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         "is longer than model.max_seq_len",
     ),
     "an unknown mode of the main job": (lambda: _train_config(mode="train"), ValueError, "mode='train': choose 'fit'"),
+    "a context_parallel that is not a positive integer": (
+        lambda: CuboidStrategy(context_parallel=0).layout.resolve(2),
+        LayoutError,
+        "context_parallel must be a positive integer",
+    ),
+    "a sequence length context parallel cannot split": (
+        lambda: _cp_step(_tiny_hf(), input_ids=torch.zeros(2, 10, dtype=torch.long)),
+        ValueError,
+        r"a sequence of 10 tokens cannot be split over context_parallel=2: it needs a multiple of 2 x cp = 4",
+    ),
+    "a batch without a sequence dimension under context parallel": (
+        lambda: _cp_step(_tiny_hf(), input_ids=torch.zeros(8, dtype=torch.long)),
+        ValueError,
+        r"the model's first input is a tensor of shape \(8,\): a batch without a sequence dimension",
+    ),
+    "an attention implementation context parallel cannot split": (
+        lambda: _cp_step(_tiny_hf(attn_implementation="flex_attention"), input_ids=torch.zeros(2, 8, dtype=torch.long)),
+        ValueError,
+        r"cannot split attn_implementation='flex_attention' of LlamaForCausalLM.*attn_implementation='sdpa'",
+    ),
+    "sliding-window attention under context parallel": (
+        lambda: _cp_step(_tiny_hf("mistral", sliding_window=4), input_ids=torch.zeros(2, 8, dtype=torch.long)),
+        ValueError,
+        r"MistralAttention \(layer 0\) uses sliding-window attention \(sliding_window=4\)",
+    ),
+    "a model that takes no position_ids under context parallel": (
+        _no_position_ids,
+        ValueError,
+        r"context_parallel needs the model's forward to take position_ids.*Embedding.forward",
+    ),
 }
 
 

@@ -392,3 +392,15 @@ def test_batch_progress_flags_end_an_epoch_and_tell_the_last_batch(tmp_path) -> 
     assert seen["train_last"] == [False, False, False, True, False, False]
     assert trainer.global_step == 6
     assert seen["val_last"] == [False, True, False, True]  # validation ran at the end of both epochs
+
+
+def test_torch_function_modes_lists_the_active_modes_outermost_first() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class A(TorchFunctionMode):
+        pass
+
+    outer, inner = A(), A()
+    assert compat.torch_function_modes() == []
+    with outer, inner:
+        assert compat.torch_function_modes() == [outer, inner]

@@ -24,7 +24,7 @@ def test_product_of_sizes_must_equal_world_size() -> None:
         Layout(dp_shard=3, tp=2).resolve(4)
     with pytest.raises(LayoutError, match=r"= 3 does not divide the world size 4"):
         Layout(tp=3).resolve(4)
-    assert Layout(dp_replicate=2, tp=2).resolve(8).sizes == (1, 2, 2, 2)
+    assert Layout(dp_replicate=2, tp=2).resolve(8).sizes == (1, 2, 2, 1, 2)  # (pp, dp_replicate, dp_shard, cp, tp)
 
 
 def test_bad_layout_fails_in_the_launching_process_before_any_child_starts() -> None:

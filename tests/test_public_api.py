@@ -23,6 +23,8 @@ PUBLIC = [
     "cuboid.LayoutError",
     "cuboid.PlanError",
     "cuboid.PipelineError",
+    "cuboid.ContextParallelError",
+    "cuboid.context.ContextParallel",
     "cuboid.CheckpointError",
     "cuboid.PretrainedError",
     "cuboid.NonFiniteError",
@@ -49,8 +51,18 @@ PUBLIC = [
 ]
 
 # The wings, lowest floor first; a wing may import only wings on a lower floor (and compat, data).
-FLOORS = {"compat": 0, "data": 0, "checkpoint": 1, "step": 1, "parallel": 2, "pipeline": 3, "job": 3, "planning": 4}
-WINGS = ("parallel", "pipeline", "checkpoint", "job", "step", "planning")
+FLOORS = {
+    "compat": 0,
+    "data": 0,
+    "checkpoint": 1,
+    "step": 1,
+    "parallel": 2,
+    "context": 2,
+    "pipeline": 3,
+    "job": 3,
+    "planning": 4,
+}
+WINGS = ("parallel", "context", "pipeline", "checkpoint", "job", "step", "planning")
 
 
 def _resolve(dotted: str) -> object:

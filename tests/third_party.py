@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from parity_lib import ADAMW, GLOBAL_BATCH, SEED, Reference, TokenDataset
+from parity_lib import ADAMW, GLOBAL_BATCH, SEED, SEQ, Reference, TokenDataset
 from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
@@ -97,8 +97,8 @@ class PaddedTokenDataset(TokenDataset):
     ``-100`` on the padding and on a short prompt, so samples (and microbatches) predict different numbers of
     tokens."""
 
-    def __init__(self, n: int = 96) -> None:
-        super().__init__(n)
+    def __init__(self, n: int = 96, seq: int = SEQ) -> None:
+        super().__init__(n, seq)
         g = torch.Generator().manual_seed(13)
         seq = self.tokens.shape[1]
         self.lengths = torch.randint(seq // 3, seq + 1, (n,), generator=g)
@@ -113,10 +113,11 @@ class PaddedTokenDataset(TokenDataset):
         return {"idx": torch.tensor(i), "tokens": tokens, "attention_mask": real.long(), "labels": labels}
 
 
-def dataset(family: str, n: int = 96, padded: bool = False) -> Dataset:
+def dataset(family: str, n: int = 96, padded: bool = False, seq: int = SEQ) -> Dataset:
+    """Samples of ``family``; token families: sequences of ``seq + 1`` tokens (the model reads them all)."""
     if family == "hf_vit":
         return ImageDataset(n)
-    return PaddedTokenDataset(n) if padded else TokenDataset(n)
+    return PaddedTokenDataset(n, seq) if padded else TokenDataset(n, seq)
 
 
 def clip(family: str, padded: bool = False) -> float:
@@ -169,6 +170,7 @@ def reference_run(
     initial: dict[str, torch.Tensor] | None = None,
     padded: bool = False,
     dp: int = 1,
+    seq: int = SEQ,
 ) -> Reference:
     """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
     :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
@@ -178,7 +180,7 @@ def reference_run(
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    data = dataset(family, padded=padded)
+    data = dataset(family, padded=padded, seq=seq)
     shares = dp if padded else 1
     losses, norms = [], []
     for epoch in range(epochs):

@@ -2,10 +2,13 @@
 
     python scripts/bench.py --suite memory             # every layout, then the table and docs/bench/memory.png
     python scripts/bench.py --suite memory --world 2   # only the 2-process layouts
+    python scripts/bench.py --suite memory --cp        # only the context-parallel rows: cp 1, 2, 4
 
 A benchmark, not a test. One Llama (8 blocks, dim 256, vocab 2048: 7.3 M parameters) trains 3 steps of 4
 sequences x 128 tokens per data-parallel rank (weak scaling: the work per rank stays the same) under FSDP at
-N = 1, 2, 4, 8, HSDP (2 replicas), TP 2 x FSDP and 3D, in fp32 and bf16-mixed. Per rank:
+N = 1, 2, 4, 8, HSDP (2 replicas), TP 2 x FSDP and 3D, in fp32 and bf16-mixed; and context parallel at cp = 2
+and 4 (one data-parallel rank: the same 4 sequences of 128 tokens split over cp ranks), against FSDP at N = 1.
+Per rank:
 
 * persistent: parameters, gradients and AdamW state, from the DTensor local shapes after the last step;
 * peak: persistent + the step's own peak, the most bytes of tensors made during a training step (forward,
@@ -53,6 +56,14 @@ LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
     + [("HSDP 2 x", "32-true", {"data_parallel_replicate": 2}), ("TP2 x FSDP", "32-true", {"tensor_parallel": 2}),
        ("3D pp2 x dp2 x tp2", "32-true", {"pipeline_parallel": 2, "tensor_parallel": 2})],
 }  # fmt: skip
+# Context parallel at a fixed sequence length: cp ranks share one data-parallel rank's sequences.
+CP_LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
+    1: [("FSDP", "32-true", {})],
+    2: [("CP", "32-true", {"context_parallel": 2})],
+    4: [("CP", "32-true", {"context_parallel": 4})],
+}
+LAYOUTS[2].append(CP_LAYOUTS[2][0])
+LAYOUTS[4].append(CP_LAYOUTS[4][0])
 
 
 class LiveBytes(TorchDispatchMode):
@@ -180,7 +191,7 @@ def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str
     )
     module = CausalLM(model=CFG, warmup_steps=1, max_steps=STEPS)
     trainer.fit(module, DataLoader(tokens, batch_size=BATCH))
-    return {"layout": label, "precision": precision, "world": world, "peak": max(measure.peaks[1:]),
+    return {"layout": label, "precision": precision, "world": world, "cp": layout.cp, "peak": max(measure.peaks[1:]),
             "persistent": persistent_bytes(module, trainer.optimizers[0]), "saved": max(measure.saved[1:]),
             "saved_fp32": max(measure.saved_fp32[1:]),
             "gathered_block": measure.gathered.get("block", 0), "gathered_root": measure.gathered.get("root", 0)}  # fmt: skip
@@ -189,7 +200,7 @@ def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str
 def worker(args: argparse.Namespace) -> None:
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     results = []
-    for label, precision, kwargs in LAYOUTS[world]:
+    for label, precision, kwargs in (CP_LAYOUTS if args.cp else LAYOUTS)[world]:
         one = run_layout(label, precision, kwargs, world)
         per_rank: list = [None] * world
         if dist.is_initialized():
@@ -222,6 +233,24 @@ def parts_table(results: list[dict[str, Any]]) -> str:
             a, b = get(fp32), get(bf16)
             lines.append(f"{label:<20}{world:>3}  {name:<34}{a / mib:>9.2f}{b / mib:>12.2f}"
                          f"{(b / a if a else float('nan')):>7.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def cp_table(results: list[dict[str, Any]]) -> str:
+    """Context parallel at one sequence length: per-rank saved activations and step peak at cp 1, 2, 4, beside
+    1/cp of cp 1's. cp 1 is FSDP on one process: the same sequences per data-parallel rank."""
+    rows = [r for r in results if r["precision"] == "32-true" and (r["layout"] == "CP" or r["world"] == 1)]
+    base = next((r for r in rows if r["world"] == 1), None)
+    if base is None:
+        return "(no cp 1 row: run with --world 1 too)"
+    mib = 2**20
+    lines = [f"{'cp':>3}{'saved activations MiB':>23}{'1/cp of cp 1':>14}{'ratio':>7}{'step peak MiB':>15}"
+             f"{'1/cp of cp 1':>14}{'ratio':>7}"]  # fmt: skip
+    for r in sorted(rows, key=lambda r: r.get("cp", 1)):
+        cp = r.get("cp", 1)
+        lines.append(f"{cp:>3}{r['saved'] / mib:>23.2f}{base['saved'] / cp / mib:>14.2f}"
+                     f"{r['saved'] * cp / base['saved']:>7.2f}{r['peak'] / mib:>15.2f}{base['peak'] / cp / mib:>14.2f}"
+                     f"{r['peak'] * cp / base['peak']:>7.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -278,13 +307,21 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = per_world_parser(__doc__, "1, 2, 4 or 8", "docs/bench/memory.json").parse_args(argv)
+    parser = per_world_parser(__doc__, "1, 2, 4 or 8", "docs/bench/memory.json")
+    parser.add_argument("--cp", action="store_true", help="only the context-parallel rows (cp 1, 2, 4)")
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
+        return
+    if args.cp:
+        results = launch_per_world(__file__, "memory", args.world or sorted(CP_LAYOUTS), ["--cp"])
+        print(cp_table(results))
+        write_results(args.out.replace("memory.json", "memory_cp.json"), {"batch": BATCH, "seq": SEQ}, results)
         return
     results = launch_per_world(__file__, "memory", args.world or sorted(LAYOUTS), [])
     print(table(results))
     print(parts_table(results))
+    print(cp_table(results))
     write_results(args.out, {"batch": BATCH, "seq": SEQ, "steps": STEPS}, results)
     if not args.world:
         plot(results, Path(args.out).with_suffix(".png"))

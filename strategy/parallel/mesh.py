@@ -1,9 +1,10 @@
-"""Where a layout is decided: the pp x dp_replicate x dp_shard x tp sizes and the device mesh.
+"""Where a layout is decided: the pp x dp_replicate x dp_shard x cp x tp sizes and the device mesh.
 
 One :class:`Layout` per run. :meth:`Layout.resolve` fills ``"auto"`` and checks the sizes
 against the world size before any process group exists; :func:`build_device_mesh` turns it
-into one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "dp_shard", "tp")``, outermost to
-innermost, so tensor-parallel peers are neighbouring ranks (the fastest links).
+into one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, outermost to
+innermost (torchtitan's order), so tensor-parallel peers are neighbouring ranks (the fastest links) and
+context-parallel peers the next nearest.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cuboid.compat import flatten_mesh
 
-MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
+# FSDP shards over dp_shard x cp: cp ranks hold different tokens of the same sequences, so for the weights they
+# are data-parallel peers (torchtitan's dp_shard_cp).
+SHARD_CP_DIMS: tuple[str, str] = ("dp_shard", "cp")
 # Every name the mesh answers to: its dims, then the flattened views build_device_mesh adds (the aliases last).
-MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "data_parallel", "tensor_parallel")
+MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "dp_shard_cp", "data_parallel", "tensor_parallel")
+# Flattened views -> the dims they cover (what the global grad norm needs to tell replicas from shards).
+FLATTENED: dict[str, tuple[str, ...]] = {"dp": DP_DIMS, "dp_shard_cp": SHARD_CP_DIMS}
 
 
 class LayoutError(ValueError):
@@ -28,35 +34,37 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the four mesh dimensions. ``dp_shard="auto"`` fills the rest of the world."""
+    """Sizes of the five mesh dimensions. ``dp_shard="auto"`` fills the rest of the world."""
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int | Literal["auto"] = "auto"
     tp: int = 1
+    cp: int = 1
 
     def resolve(self, world_size: int) -> Layout:
         """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""
-        for name in ("pp", "dp_replicate", "tp"):
+        for name in ("pp", "dp_replicate", "tp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{_ARG_NAMES[name]} must be a positive integer, got {value!r}.")
-        fixed = self.pp * self.dp_replicate * self.tp
+        fixed = self.pp * self.dp_replicate * self.tp * self.cp
+        cp = f" x context_parallel ({self.cp})" if self.cp > 1 else ""
         if self.dp_shard == "auto":
             if world_size % fixed != 0:
                 raise LayoutError(
                     f"Cannot fill data_parallel_shard='auto': pipeline_parallel ({self.pp}) x "
-                    f"data_parallel_replicate ({self.dp_replicate}) x tensor_parallel ({self.tp}) = {fixed} "
+                    f"data_parallel_replicate ({self.dp_replicate}){cp} x tensor_parallel ({self.tp}) = {fixed} "
                     f"does not divide the world size {world_size}. Choose sizes whose product divides "
                     f"{world_size} (devices x num_nodes)."
                 )
-            return Layout(self.pp, self.dp_replicate, world_size // fixed, self.tp)
+            return Layout(self.pp, self.dp_replicate, world_size // fixed, self.tp, self.cp)
         if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1:
             raise LayoutError(f"data_parallel_shard must be a positive integer or 'auto', got {self.dp_shard!r}.")
         if fixed * self.dp_shard != world_size:
             raise LayoutError(
                 f"The layout pipeline_parallel ({self.pp}) x data_parallel_replicate ({self.dp_replicate}) x "
-                f"data_parallel_shard ({self.dp_shard}) x tensor_parallel ({self.tp}) = {fixed * self.dp_shard} "
+                f"data_parallel_shard ({self.dp_shard}){cp} x tensor_parallel ({self.tp}) = {fixed * self.dp_shard} "
                 f"processes, but the world size (devices x num_nodes) is {world_size}. Change one size so the "
                 f"product is {world_size}, or set data_parallel_shard='auto'."
             )
@@ -69,12 +77,14 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """The sizes in :data:`MESH_DIMS` order: ``(pp, dp_replicate, dp_shard, cp, tp)``."""
         assert isinstance(self.dp_shard, int), "resolve() the layout first"
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True))
+        """``pp=1 x dp_replicate=1 x dp_shard=4 x tp=2`` (``cp=`` only where it is above 1)."""
+        return " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True) if n != "cp" or s > 1)
 
 
 _ARG_NAMES = {
@@ -82,11 +92,12 @@ _ARG_NAMES = {
     "dp_replicate": "data_parallel_replicate",
     "dp_shard": "data_parallel_shard",
     "tp": "tensor_parallel",
+    "cp": "context_parallel",
 }
 
 
 def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """Build the 4-D mesh for a resolved layout, and the flattened data-parallel mesh.
+    """Build the 5-D mesh for a resolved layout, and the flattened data-parallel mesh.
 
     The flattened ``dp`` mesh (dp_replicate x dp_shard, named ``"dp"``) is what the data
     sampler, loss and metric reduction use. The mesh also answers to Lightning's
@@ -95,16 +106,19 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
     dp_mesh = flatten_mesh(mesh[DP_DIMS], "dp")
+    flatten_mesh(mesh[SHARD_CP_DIMS], "dp_shard_cp")
     flatten_mesh(mesh[DP_DIMS], "data_parallel")
     flatten_mesh(mesh["tp"], "tensor_parallel")
     return mesh, dp_mesh
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+    """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP; with context
+    parallel, ``dp_shard_cp`` (dp_shard x cp flattened) in place of ``dp_shard``."""
+    shard = "dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"
     if mesh["dp_replicate"].size() > 1:
-        return mesh[DP_DIMS]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
 
 
 def check_reshard_after_forward(value: bool | int, dp_shard: int | str) -> None:

@@ -9,7 +9,8 @@ None of these change parameter names (FQNs), so checkpoints read the same on any
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, Literal, get_args
 
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from cuboid.compat import SDPA_OPS, reads_kv_cache_only
+from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
 
 ACMode = Literal["full", "selective"]
 
@@ -105,9 +106,30 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) ->
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_with_forward_modes(context_fn), **kwargs)
 
     return run
+
+
+def _with_forward_modes(context_fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``context_fn`` whose recompute also runs under the ``TorchFunctionMode``s the forward ran under (context
+    parallel's attention and loss interceptor): the autograd engine runs the recompute without them."""
+
+    def contexts() -> tuple[Any, Any]:
+        forward_ctx, recompute_ctx = context_fn()
+        modes = torch_function_modes()
+
+        @contextmanager
+        def recompute() -> Generator[None, None, None]:
+            with ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                stack.enter_context(recompute_ctx)
+                yield
+
+        return forward_ctx, recompute()
+
+    return contexts
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:

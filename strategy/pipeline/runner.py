@@ -113,6 +113,7 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in stages)
         self._checked: set[str] = set()  # hooks whose first step checked that the model is called as it must be
         self.has_last = any(s.is_last for s in stages)
+        self.context: Any = None  # a cuboid.context.ContextParallel when cp > 1: it cuts each sequence
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._step_loss is not None
@@ -142,18 +143,23 @@ class PipelineRunner:
         stage_kwargs: dict[str, torch.Tensor] = {}
         inputs: tuple = ()
         problem: str | None = None
+        cp, tokens = self.context is not None, None
         try:
             if self.shape is not None:  # every stage needs the call's keyword tensors
                 plan = decoder.bind_call(real, *self._capture(call_user, batch, hook, real, lm), hook, self.owner_name)
-                inputs, stage_kwargs = ((plan.first_input,) if self.has_first else ()), plan.stage_kwargs
+                inputs, stage_kwargs, tokens = (plan.first_input,), plan.stage_kwargs, plan.first_input
                 predicted, microbatches = plan.predicted_tokens(), self.microbatches
 
                 def make_output(output: Any, args: tuple, kwargs: dict) -> Any:
                     return decoder.microbatch_output(real, output, args, kwargs, predicted, microbatches)
 
-            elif self.has_first:
+            elif self.has_first or cp:  # under cp every stage needs the tokens' global positions
                 inputs = self._positional_input(*self._capture(call_user, batch, hook, real, lm), hook)
-        except (PipelineError, decoder.DecoderSplitError) as err:
+                tokens = inputs[0] if inputs else None
+            if cp and tokens is not None:
+                inputs, stage_kwargs = self.context.pipeline_inputs(inputs, stage_kwargs, tokens, self.microbatches)
+            inputs = inputs if self.has_first else ()
+        except (PipelineError, decoder.DecoderSplitError, ValueError) as err:
             problem = str(err)
         if hook not in self._checked:
             # Every stage must stop, not only the first (the others would wait forever). Checked on the first step

@@ -128,7 +128,7 @@ def estimate(
                 continue
             seen[rank].add(id(param))
             whole = id(param) in direct or (owned is not None and not staged)  # left outside every FSDP unit
-            per[rank] += size * _local_elements(param, split, 1 if whole else layout.dp_shard)
+            per[rank] += size * _local_elements(param, split, 1 if whole else layout.dp_shard * layout.cp)
             unsharded[rank] += size * _local_elements(param, split, 1)
     return Estimate(per, unsharded)
 
@@ -141,12 +141,12 @@ def refuse_if_too_big(est: Estimate, layout: Layout, capacity: float, auto: bool
     params = est.rank_bytes(worst)
     if 2 * params <= capacity:
         return
-    rest = layout.pp * layout.dp_replicate * layout.tp
-    need = {k: math.ceil(k * est.unsharded_per_pp_rank[worst] / capacity) for k in (2, 4)}
+    rest = layout.pp * layout.dp_replicate * layout.tp * layout.cp  # FSDP shards over dp_shard x cp
+    need = {k: math.ceil(k * est.unsharded_per_pp_rank[worst] / capacity / layout.cp) for k in (2, 4)}
     where = f" (pipeline stage rank {worst}, the largest)" if layout.pp > 1 else ""
     filled = (
         f"data_parallel_shard='auto' filled {layout.dp_shard} (the world {layout.dp_shard * rest} / "
-        f"(pipeline_parallel x data_parallel_replicate x tensor_parallel = {rest})). "
+        f"(pipeline_parallel x data_parallel_replicate x context_parallel x tensor_parallel = {rest})). "
         if auto
         else ""
     )
@@ -159,6 +159,14 @@ def refuse_if_too_big(est: Estimate, layout: Layout, capacity: float, auto: bool
         "pipeline_parallel), use cpu_offload=True, or precision='bf16-true'; python -m cuboid.layout model=... "
         "estimates activations too. Nothing was allocated."
     )
+
+
+def device_bytes(device: torch.device, cpu_offload: bool) -> float | None:
+    """Bytes a rank's parameters, gradients and optimizer state may take on its device (a GPU's total memory);
+    None where nothing is checked: on CPU, and with CPU offload (they live on the host)."""
+    if device.type != "cuda" or cpu_offload:
+        return None
+    return float(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _moments(optimizer: object) -> int:

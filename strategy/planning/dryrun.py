@@ -63,8 +63,8 @@ def dry_run(
     as the strategy (e.g. heads not divisible by ``tp``, a model that cannot be cut into stages)."""
     if not isinstance(layout.dp_shard, int):
         raise LayoutError("dry_run needs every size given: data_parallel_shard is 'auto'.")
-    layout = layout.resolve(layout.pp * layout.dp_replicate * layout.dp_shard * layout.tp)
-    world = layout.pp * layout.dp * layout.tp
+    layout = layout.resolve(layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp)
+    world = layout.pp * layout.dp * layout.cp * layout.tp
     if layout.pp != 1:
         return _pipeline_dry_run(lm, layout, tensor_parallel_plan, pipeline_schedule, virtual_stages)
     owns_group = not dist.is_initialized()
@@ -101,14 +101,14 @@ def _pipeline_dry_run(
 
     if callable(getattr(lm, "configure_model", None)):
         lm.configure_model()
-    matched, _ = loss_parallel.under_pipeline(plans.resolve_plan(lm, plan, layout.tp), layout.pp)
+    matched, _ = loss_parallel.under_layout(plans.resolve_plan(lm, plan, layout.tp), layout.pp, layout.cp)
     blocks = plans.find_blocks(lm, None)
     pipelining = Pipelining(layout.pp, schedule, virtual_stages=virtual_stages)
     per_rank = capacity.estimate(lm, layout, matched, blocks, pipelining).per_pp_rank
     elements = capacity.estimate(lm, layout, matched, blocks, pipelining, param_bytes=1).per_pp_rank
     worst = max(range(layout.pp), key=per_rank.__getitem__)
     total = sum(p.numel() for p in lm.parameters())
-    world = layout.pp * layout.dp * layout.tp
+    world = layout.pp * layout.dp * layout.cp * layout.tp
     return RankBytes(world, per_rank[worst], elements[worst], total, per_pp_rank=per_rank)
 
 
@@ -142,13 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, default=8, help="data_parallel_shard")
     parser.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel")
+    parser.add_argument("--cp", type=int, default=1, help="context_parallel (FSDP shards over dp_shard x cp)")
     args = parser.parse_args(argv)
     lm = _hf_module(args.hf_config) if args.hf_config else CausalLM(model=args.model, meta_init=True)
-    report = dry_run(lm, Layout(args.pp, args.replicate, args.dp, args.tp), pipeline_schedule=args.schedule)
+    layout = Layout(args.pp, args.replicate, args.dp, args.tp, args.cp)
+    report = dry_run(lm, layout, pipeline_schedule=args.schedule)
     gib = 2**30
     name = args.hf_config or args.model
     print(
-        f"{name} on pp={args.pp} x dp_replicate={args.replicate} x dp_shard={args.dp} x tp={args.tp} "
+        f"{name} on {layout.describe()} "
         f"({report.world} ranks): "
         f"{report.total_elements / 1e9:.2f}B parameters, {report.elements / 1e9:.3f}B on the fullest rank; fp32 AdamW "
         f"persistent bytes per rank: params {report.params / gib:.2f} GiB, grads {report.grads / gib:.2f} GiB, "

@@ -3,9 +3,9 @@
 Memory, per rank, on the fullest pipeline stage (AdamW; FSDP2 keeps sharded parameters in their own dtype, fp32
 under ``bf16-mixed``, and gathers them in the compute dtype):
 
-* persistent: parameters, gradients and the two AdamW moments, each ``stage parameters / (dp_shard x tp)`` (norm
-  weights are replicated over ``tp``, as Cuboid's plans leave them), dtype bytes each: 16 B per parameter in fp32
-  or ``bf16-mixed``, 8 B in ``bf16-true``. ``cpu_offload`` moves all three to host memory.
+* persistent: parameters, gradients and the two AdamW moments, each ``stage parameters / (dp_shard x cp x tp)``
+  (norm weights are replicated over ``tp``, as Cuboid's plans leave them), dtype bytes each: 16 B per parameter in
+  fp32 or ``bf16-mixed``, 8 B in ``bf16-true``. ``cpu_offload`` moves all three to host memory.
 * gathered: FSDP2's unsharded copies in the compute dtype: two blocks in flight (this one and the prefetched
   next), their unsharded gradients in the reduce dtype, and the stage root's embedding / output matrices. Under
   pp the whole stage stays gathered, with unsharded gradients, from the first micro-batch to the last (torch's
@@ -15,8 +15,10 @@ under ``bf16-mixed``, and gathers them in the compute dtype):
   tensors): ``30 bsh + 8 bs kv + 8 bsf`` bytes in bf16 (``b`` sequences, ``s`` tokens, ``h`` dim, ``kv`` the
   key/value width, ``f`` the ffn width). Selective checkpointing keeps matmul and attention outputs only
   (``10 bsh + 4 bs kv + 4 bsf``); full keeps each block's input (``2 bsh``) plus one block's full set while it is
-  recomputed. Sequence parallelism divides all of it by ``tp``. A 1F1B stage holds up to ``pp`` micro-batches.
-* logits: the last stage's ``b s V / tp`` logits in the compute dtype, their fp32 copy for the loss and its
+  recomputed. Sequence parallelism divides all of it by ``tp``, context parallelism by ``cp`` (a rank holds
+  ``s / cp`` tokens of each sequence; its gathered keys and values, ``2 b s kv`` while one block runs, are added).
+  A 1F1B stage holds up to ``pp`` micro-batches.
+* logits: the last stage's ``b s V / (tp cp)`` logits in the compute dtype, their fp32 copy for the loss and its
   gradient (10 B per logit in bf16).
 
 Step time: the FLOPs (6 x matmul parameters x tokens + 12 x layers x dim x seq per token for attention,
@@ -25,7 +27,9 @@ under torchtitan's op-level selective) at ``peak x efficiency``, plus the expose
 collective, each costed with an alpha-beta model on the link it crosses: NVLink when its group lies within a node
 (``tp`` is innermost), the network otherwise. FSDP's all-gathers and reduce-scatters overlap compute (exposed: what
 exceeds it, plus the first block's); tensor parallel's run in the critical path (asynchronous TP hides
-``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved.
+``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved;
+context parallel all-gathers each block's keys and values in forward (again when full checkpointing recomputes)
+and reduce-scatters their gradients in backward, in the critical path (Cuboid's exchange does not overlap).
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     """Per-GPU bytes on the ranks of pipeline rank ``stage`` (every rank when ``pp == 1``)."""
     stored, compute, reduce = dtype_bytes(s.precision)
     sharded, replicated, root, n_blocks = rank_params(shape, s)[stage]
-    n = sharded / (s.tp * s.dp_shard) + replicated / s.dp_shard
+    shards = s.dp_shard * s.cp  # FSDP shards over dp_shard x cp
+    n = sharded / (s.tp * shards) + replicated / shards
     params, grads, opt = n * stored, n * stored, 2 * n * stored
     host = 0.0
     if s.cpu_offload:
@@ -139,18 +144,20 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     if s.pp > 1:  # the stage keeps its parameters gathered and accumulates unsharded gradients until the last
         # micro-batch (torch's pipeline stage: no resharding after backward, no gradient sync in between)
         gathered = (sharded / s.tp + replicated) * (compute + reduce)
-    elif s.dp_shard > 1:
+    elif shards > 1:
         gathered = 2 * block * compute + 2 * block * reduce + root / s.tp * compute
     else:
         gathered = 0.0
-    micro = s.batch / s.m
-    per_block = activation_bytes_per_block(shape, micro, s.seq, s.ac, compute, s.tp)
+    micro, local = s.batch / s.m, s.seq / s.cp
+    per_block = activation_bytes_per_block(shape, micro, local, s.ac, compute, s.tp)
     acts = per_block * n_blocks * in_flight(s, stage) / s.virtual_stages
     if s.ac == "full":  # one block's full set while it is recomputed for backward
-        acts += activation_bytes_per_block(shape, micro, s.seq, None, compute, s.tp)
+        acts += activation_bytes_per_block(shape, micro, local, None, compute, s.tp)
+    if s.cp > 1:  # the whole sequence's keys and values, gathered while one block's attention runs
+        acts += 2 * micro * s.seq * shape.kv_dim / s.tp * compute
     last = s.pp * s.virtual_stages - 1
     holds_output = any(st == last for st in rank_stages(s)[stage])
-    logits = micro * s.seq * shape.vocab / s.tp * (compute + 4 + 4) if holds_output else 0.0
+    logits = micro * local * shape.vocab / s.tp * (compute + 4 + 4) if holds_output else 0.0
     return Memory(params, grads, opt, gathered, acts, logits, host, 1.0)
 
 
@@ -174,6 +181,7 @@ class StepTime:
     fsdp: float  # exposed
     hsdp: float
     tp: float
+    cp: float
     bubble: float
     p2p: float
     optimizer: float
@@ -181,7 +189,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.fsdp + self.hsdp + self.tp + self.bubble + self.p2p + self.optimizer
+        return self.compute + self.fsdp + self.hsdp + self.tp + self.cp + self.bubble + self.p2p + self.optimizer
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -220,7 +228,7 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     _, compute_b, reduce_b = dtype_bytes(s.precision)
     tokens_dp = s.batch * s.seq  # per data-parallel rank and step
     per_token = shape.flops_per_token(s.seq) + recompute_flops_per_token(shape, s)
-    flops = per_token * tokens_dp / (s.tp * s.pp)
+    flops = per_token * tokens_dp / (s.tp * s.pp * s.cp)
     math_kind = "fp32" if s.precision == "32-true" else "bf16"
     speed = hw.peak[math_kind] * efficiency * (compile_gain if s.compile else 1.0) * (fp8_gain if s.fp8 else 1.0)
     compute = flops / speed
@@ -228,30 +236,37 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     ranks = rank_params(shape, s)
     stage = max(sharded / s.tp + replicated for sharded, replicated, _, _ in ranks)
     blocks = max(n for *_, n in ranks)
-    bw, alpha = _link(hw, s.tp * s.dp_shard)
+    shards = s.dp_shard * s.cp
+    bw, alpha = _link(hw, s.tp * shards)
     reshard = s.reshard_after_forward if s.reshard_after_forward is not None else s.pp == 1
     gather_b = 1 if s.fp8 else compute_b
-    gathers = (2 if reshard else 1) * _ring(s.dp_shard, stage * gather_b, bw, alpha * (blocks + 1))
-    scatters = _ring(s.dp_shard, stage * reduce_b, bw, alpha * (blocks + 1))
+    gathers = (2 if reshard else 1) * _ring(shards, stage * gather_b, bw, alpha * (blocks + 1))
+    scatters = _ring(shards, stage * reduce_b, bw, alpha * (blocks + 1))
     fsdp_total = gathers + scatters
     fsdp = max(0.0, fsdp_total - compute) + fsdp_total / max(blocks, 1)  # the first block's is never hidden
     bw_r, alpha_r = _link(hw, s.world // s.pp)
-    hsdp = 2 * _ring(s.dp_replicate, stage / s.dp_shard * reduce_b, bw_r, alpha_r) if s.dp_replicate > 1 else 0.0
+    hsdp = 2 * _ring(s.dp_replicate, stage / shards * reduce_b, bw_r, alpha_r) if s.dp_replicate > 1 else 0.0
     # Tensor parallel (sequence parallel): per block and micro-batch, 2 all-gathers + 2 reduce-scatters in forward
     # and 2 + 2 in backward, of b s h in the compute dtype; full checkpointing repeats the forward ones.
     bw_t, alpha_t = _link(hw, s.tp)
-    per = _ring(s.tp, tokens_dp / s.m * shape.dim * compute_b, bw_t, alpha_t)  # one collective, one micro-batch
+    per = _ring(s.tp, tokens_dp / s.cp / s.m * shape.dim * compute_b, bw_t, alpha_t)  # one collective, micro-batch
     tp = per * blocks * s.m * (8 + (4 if s.ac == "full" else 0)) if s.tp > 1 else 0.0
     if s.async_tp:
         tp *= 0.5
+    # Context parallel: per block and micro-batch, keys and values (2 b s kv / tp, gathered size) all-gathered in
+    # forward (and in the recompute under full checkpointing), their gradients reduce-scattered in backward.
+    bw_c, alpha_c = _link(hw, s.tp * s.cp)
+    kv = _ring(s.cp, 2 * tokens_dp / s.m * shape.kv_dim / s.tp * compute_b, bw_c, alpha_c)
+    cp = kv * blocks * s.m * (3 if s.ac == "full" else 2) if s.cp > 1 else 0.0
     bubble = p2p = 0.0
     if s.pp > 1:
         bubble = (compute + tp) * (s.pp - 1) / s.virtual_stages / s.m
         bw_p, alpha_p = _link(hw, s.world // s.pp * 2)
-        act = tokens_dp / s.m * shape.dim * compute_b / s.tp
+        act = tokens_dp / s.m * shape.dim * compute_b / (s.tp * s.cp)
         p2p = 2 * (s.pp - 1) * (alpha_p + act / bw_p)
-    optimizer = stage / s.dp_shard * 16 * 2 / hw.hbm  # read and write params, grads and moments once
-    return StepTime(compute, fsdp, hsdp, tp, bubble, p2p, optimizer, tokens_dp * s.dp_replicate * s.dp_shard / s.world)
+    optimizer = stage / shards * 16 * 2 / hw.hbm  # read and write params, grads and moments once
+    tokens_per_gpu = tokens_dp * s.dp_replicate * s.dp_shard / s.world
+    return StepTime(compute, fsdp, hsdp, tp, cp, bubble, p2p, optimizer, tokens_per_gpu)
 
 
 def fits(mem: Memory, hw: Hardware, headroom: float = 0.9) -> bool:

@@ -1,12 +1,14 @@
-"""The layout planner: every valid (pp, dp_replicate, dp_shard, tp) layout for a model on a cluster, with its
+"""The layout planner: every valid (pp, dp_replicate, dp_shard, cp, tp) layout for a model on a cluster, with its
 per-GPU memory and step time (:mod:`cuboid.planning.estimate`), what does not fit, and a recommendation.
 
     python -m cuboid.layout model=8b nodes=4 gpus_per_node=8 gpu=h100
     python -m cuboid.layout model=70b nodes=1 gpus_per_node=8 gpu=h100 seq=4096
+    python -m cuboid.layout model=8b nodes=1 gpus_per_node=8 gpu=h100 seq=131072   # proposes context parallel
     python -m cuboid.layout model=path/to/config.json nodes=1 gpus_per_node=8 gpu=h100   # a Hugging Face decoder
 
 or ``cuboid.planning.planner.plan(...)``. Tensor parallel stays within a node (it must divide the GPUs per node and the
-heads); pipeline stages divide the world. For each layout it tries activation checkpointing none / selective /
+heads); pipeline stages divide the world; context parallel splits the data-parallel ranks where ``seq`` is a multiple
+of ``2 x cp`` (not with pp: Cuboid does not compose them yet). For each layout it tries activation checkpointing none / selective /
 full, each with and without CPU offload; at each it takes the largest per-rank batch (sequences per
 data-parallel rank, up to ``max_batch``) that fits in ``headroom`` of the GPU's memory, and the step time at that
 batch. It recommends the fastest that fits.
@@ -43,6 +45,16 @@ TORCHTITAN: list[tuple[str, str, Setup, float, float]] = [
 ]  # fmt: skip
 
 
+# torchtitan's context-parallel rows (docs/performance.md, Table 2): Llama 3.1 8B on 8 H100, local batch 1, full
+# activation checkpointing, compile + float8. Predictions only (nothing is calibrated on them).
+TORCHTITAN_CP: list[tuple[str, str, Setup, float, float]] = [
+    ("8b", f"FSDP {8 // cp}, CP {cp}, seq {seq:,}",
+     Setup(dp_shard=8 // cp, cp=cp, batch=1, seq=seq, ac="full", compile=True, fp8=True), tps, gib)
+    for cp, seq, tps, gib in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                              (8, 262144, 548, 84.5))
+]  # fmt: skip
+
+
 def calibrate(hw: Hardware | None = None) -> dict[str, float]:
     """The three calibrated inputs, each solved on one of torchtitan's 8B FSDP 8 rows: the matmul efficiency
     (eager), then the compile and the float8 speed-ups."""
@@ -70,7 +82,7 @@ class Option:
     def row(self) -> dict[str, object]:
         s, m = self.setup, self.memory
         return {
-            "pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "tp": s.tp,
+            "pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp, "tp": s.tp,
             "ac": s.ac or "none", "cpu_offload": s.cpu_offload, "batch": s.batch if self.fits else 0,
             "persistent_gib": m.persistent / GIB, "gathered_gib": m.gathered / GIB,
             "activations_gib": m.activations / GIB, "logits_gib": m.logits / GIB, "total_gib": m.total / GIB,
@@ -84,9 +96,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(shape: Shape, world: int, gpus_per_node: int) -> list[tuple[int, int, int, int]]:
-    """Valid (pp, dp_replicate, dp_shard, tp): tp within a node and dividing the heads, pp no more than the
-    blocks, dp_replicate a divisor of the number of nodes (one replica per group of whole nodes)."""
+def layouts(
+    shape: Shape, world: int, gpus_per_node: int, seq: int | None = None
+) -> list[tuple[int, int, int, int, int]]:
+    """Valid (pp, dp_replicate, dp_shard, tp, cp): tp within a node and dividing the heads, pp no more than the
+    blocks, dp_replicate a divisor of the number of nodes (one replica per group of whole nodes); with ``seq``,
+    cp > 1 where ``seq`` is a multiple of ``2 x cp`` and pp is 1."""
     nodes = max(world // gpus_per_node, 1)
     out = []
     for tp in divisors(min(world, gpus_per_node)):
@@ -95,11 +110,14 @@ def layouts(shape: Shape, world: int, gpus_per_node: int) -> list[tuple[int, int
         for pp in divisors(world // tp):
             if pp > shape.layers:
                 continue
-            dp = world // (tp * pp)
-            for rep in divisors(dp):
-                if rep > 1 and (nodes % rep or rep == dp):
+            for cp in divisors(world // (tp * pp)):
+                if cp > 1 and (seq is None or pp > 1 or seq % (2 * cp)):
                     continue
-                out.append((pp, rep, dp // rep, tp))
+                dp = world // (tp * pp * cp)
+                for rep in divisors(dp):
+                    if rep > 1 and (nodes % rep or rep == dp):
+                        continue
+                    out.append((pp, rep, dp // rep, tp, cp))
     return out
 
 
@@ -139,11 +157,11 @@ def plan(
     shape = model if isinstance(model, Shape) else Shape.of(model)
     world = nodes * gpus_per_node
     options = []
-    for pp, rep, shard, tp in layouts(shape, world, gpus_per_node):
+    for pp, rep, shard, tp, cp in layouts(shape, world, gpus_per_node, seq):
         for offload in (False, True):
             for ac in (None, "selective", "full"):
                 s = Setup(pp, rep, shard, tp, seq=seq, precision=precision, ac=ac, cpu_offload=offload,
-                          compile=compile)  # fmt: skip
+                          compile=compile, cp=cp)  # fmt: skip
                 s, mem, ok = best_batch(shape, s, hw, headroom, max_batch)
                 host_ok = mem.host * gpus_per_node <= host_memory_per_node
                 ok = ok and host_ok
@@ -162,7 +180,7 @@ def validation_table(hw: Hardware | None = None) -> str:
     hw = hw or GPUS["h100-96gb"]
     lines = ["| model | layout, variant | tokens/s/GPU published | estimated | ratio | GiB published | estimated | ratio |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for i, (name, label, setup, tps, gib) in enumerate(TORCHTITAN):
+    for i, (name, label, setup, tps, gib) in enumerate(TORCHTITAN + TORCHTITAN_CP):
         shape = Shape.of(name)
         got = step_time(shape, setup, hw, **CALIBRATION).tokens_per_s_per_gpu
         mem = memory(shape, setup).total / GIB
@@ -173,13 +191,13 @@ def validation_table(hw: Hardware | None = None) -> str:
 
 
 def table(options: list[Option], limit: int = 20) -> str:
-    head = (f"{'pp':>3} {'rep':>3} {'shard':>5} {'tp':>3} {'AC':>9} {'offload':>7} {'batch':>5} {'persist':>8} "
+    head = (f"{'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3} {'AC':>9} {'offload':>7} {'batch':>5} {'persist':>8} "
             f"{'gather':>7} {'activ':>7} {'logits':>7} {'total':>7} {'fits':>4} {'tok/s/GPU':>9} {'step s':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for o in options[:limit]:
         r = o.row()
         lines.append(
-            f"{r['pp']:>3} {r['dp_replicate']:>3} {r['dp_shard']:>5} {r['tp']:>3} {r['ac']:>9} "
+            f"{r['pp']:>3} {r['dp_replicate']:>3} {r['dp_shard']:>5} {r['cp']:>3} {r['tp']:>3} {r['ac']:>9} "
             f"{'yes' if r['cpu_offload'] else 'no':>7} {r['batch']:>5} {r['persistent_gib']:>8.1f} "
             f"{r['gathered_gib']:>7.1f} {r['activations_gib']:>7.1f} {r['logits_gib']:>7.1f} {r['total_gib']:>7.1f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['tokens_per_s_per_gpu']:>9.0f} {r['step_s']:>7.2f}"
@@ -217,7 +235,7 @@ def what_fits(options: list[Option], gpus_per_node: int = 8) -> str:
 
 def _name(o: Option) -> str:
     s = o.setup
-    return f"pp{s.pp} x rep{s.dp_replicate} x shard{s.dp_shard} x tp{s.tp}"
+    return f"pp{s.pp} x rep{s.dp_replicate} x shard{s.dp_shard}" + (f" x cp{s.cp}" if s.cp > 1 else "") + f" x tp{s.tp}"
 
 
 def recommend(options: list[Option]) -> str:
@@ -230,6 +248,8 @@ def recommend(options: list[Option]) -> str:
     s = o.setup
     args = [f"pipeline_parallel={s.pp}", f"data_parallel_replicate={s.dp_replicate}",
             f"data_parallel_shard={s.dp_shard}", f"tensor_parallel={s.tp}"]  # fmt: skip
+    if s.cp > 1:
+        args.append(f"context_parallel={s.cp}")
     if s.ac:
         args.append(f"activation_checkpointing={s.ac!r}")
     if s.cpu_offload:

@@ -166,10 +166,11 @@ class Setup:
     fp8: bool = False  # float8 matmuls (torchao), and float8 FSDP all-gathers
     async_tp: bool = False
     reshard_after_forward: bool | None = None  # None: Cuboid's default (True without pp, False with)
+    cp: int = 1  # context parallel: each sequence split over cp ranks; FSDP shards over dp_shard x cp
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def m(self) -> int:

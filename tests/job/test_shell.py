@@ -187,6 +187,16 @@ def test_validation_perplexity_under_tensor_parallel_matches_single_process(tmp_
 
 
 @pytest.mark.slow
+def test_context_parallel_preset_validates_like_one_process(tmp_path: Path) -> None:
+    """``strategy=cp`` (context_parallel=2 on the main job's 2 processes): each 128-token sequence split over both
+    ranks, and the validation perplexity is the single-process one."""
+    train(tmp_path, "mode=validate", "logger=none", "checkpoint=false", "strategy=cp", "trainer.limit_val_batches=1.0")
+    s = summary(tmp_path / "run")
+    assert (s["layout"]["cp"], s["layout"]["dp_shard"], s["world_size"]) == (2, 1, 2)
+    assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_meta_init_job_validates_like_the_eager_one(tmp_path: Path) -> None:
     """The main job's default builds the model on meta: same weights, and the same val/loss from its MeanMetric
     as without (meta init had wiped the metric's state: val/loss 44.9 against 5.56)."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cuboid.parallel.context import cp_attention, local_positions, shard_sequence
+from cuboid.context.attention import cp_attention, local_positions, shard_sequence
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

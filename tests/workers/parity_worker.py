@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
+from parity_lib import CLIP, GLOBAL_BATCH, SEED, SEQ, LlamaModule, TokenDataset  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
 from cuboid.planning.capacity import held_bytes  # noqa: E402
@@ -219,12 +219,12 @@ def run(spec: dict, out_dir: Path) -> None:
     family = spec.get("model", "llama")
     if family in third_party.FAMILIES:
         module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
-        dataset = third_party.dataset(family, spec.get("samples", 96), padded=spec.get("padded", False))
+        dataset = third_party.dataset(family, spec.get("samples", 96), spec.get("padded", False), spec.get("seq", SEQ))
         clip = third_party.clip(family, spec.get("padded", False))
     else:
         kinds = {"no_model_call": NoModelCall, "stray_parameter": StrayParameter, "nan_loss": NanLoss}
         module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
-        dataset = TokenDataset(n=spec.get("samples", 96))
+        dataset = TokenDataset(n=spec.get("samples", 96), seq=spec.get("seq", SEQ))
         clip = CLIP[spec.get("accumulate", 1)]
     if spec.get("probe_module"):  # a real submodule made in __init__, beside a model built on meta: kept as is
         module.probe = torch.nn.Linear(4, 4)

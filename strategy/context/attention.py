@@ -9,6 +9,7 @@ and masks by the tokens' *global* positions. Equal to full attention up to float
 (``tests/parallel/test_context.py``).
 
 This is the CPU/gloo path; torch's ring attention (``context_parallel``) is the GPU fast path.
+:func:`gather_tokens` brings per-token values (a loss before its reduction) back in global order.
 """
 
 from __future__ import annotations
@@ -87,6 +88,38 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     return _GatherSequence.apply(local, group, dim)
 
 
+def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of :func:`gather_sequence`'s output (cp rank order, each rank's two chunks)."""
+    return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Per-token values (``(batch, local_tokens)``) of every cp rank, in the sequence's global order.
+
+    For what every cp rank then computes alike (the loss's reduction over the whole sequence): each rank's
+    upstream gradient is the same, so the backward keeps this rank's tokens and multiplies by cp, which the
+    gradient mean over ``dp_shard x cp`` divides away again. No collective in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        seq_len = local.shape[1] * cp
+        ctx.cp, ctx.index = cp, local_positions(seq_len, rank, cp, local.device)
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        order = torch.argsort(gathered_positions(seq_len, cp, local.device))
+        return torch.cat(parts, 1).index_select(1, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.index_select(1, ctx.index) * ctx.cp, None
+
+
+def gather_tokens(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(batch, local_tokens)`` per-token values of every cp rank, as ``(batch, seq_len)`` in global order."""
+    return _GatherTokens.apply(local, group)
+
+
 def cp_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -96,18 +129,26 @@ def cp_attention(
     is_causal: bool = True,
     scale: float | None = None,
     enable_gqa: bool = False,
+    key_padding: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over every rank's keys and values.
 
     ``query``, ``key``, ``value``: ``(batch, heads, local_tokens, head_dim)``, this rank's load-balanced share of a
     sequence of ``seq_len`` tokens (``key``/``value`` may have fewer heads with ``enable_gqa``). The mask is
-    causal on global positions (or none).
+    causal on global positions (or none), and with ``key_padding`` (``(batch, seq_len)``, true where a token is
+    real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
     mask = None
+    k_pos = gathered_positions(seq_len, cp, query.device)
     if is_causal:
         q_pos = local_positions(seq_len, rank, cp, query.device)
-        k_pos = torch.cat([local_positions(seq_len, r, cp, query.device) for r in range(cp)])
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    if key_padding is not None:
+        real = key_padding.to(query.device, torch.bool).index_select(1, k_pos)[:, None, None, :]
+        mask = real if mask is None else mask & real
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p
+    )

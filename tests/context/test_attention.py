@@ -1,4 +1,4 @@
-"""Context parallel's attention (cuboid.parallel.context): the load-balanced split, and exact attention across the
+"""Context parallel's attention (cuboid.context.attention): the load-balanced split, and exact attention across the
 shards against full attention, forward and backward, to float32 round-off."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from harness import WORKERS, torchrun
 
-from cuboid.parallel.context import ContextParallelError, chunk_ids, local_positions, shard_sequence, unshard_sequence
+from cuboid.context.attention import ContextParallelError, chunk_ids, local_positions, shard_sequence, unshard_sequence
 
 
 def test_rank_i_holds_chunks_i_and_2cp_minus_1_minus_i() -> None:

@@ -1,0 +1,27 @@
+"""The context-parallel wing: each sequence split over cp ranks (load-balanced for causal attention), exact
+attention across the shards, and a user's unchanged step run on them (inputs, attention, loss)."""
+
+from cuboid.context.attention import (
+    ContextParallelError,
+    chunk_ids,
+    cp_attention,
+    gather_sequence,
+    gather_tokens,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from cuboid.context.runtime import ContextParallel, positions_keyword
+
+__all__ = [
+    "ContextParallel",
+    "ContextParallelError",
+    "chunk_ids",
+    "cp_attention",
+    "gather_sequence",
+    "gather_tokens",
+    "local_positions",
+    "positions_keyword",
+    "shard_sequence",
+    "unshard_sequence",
+]

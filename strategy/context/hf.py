@@ -1,0 +1,77 @@
+"""Context parallel for transformers models, through transformers' own attention-function registry.
+
+Cuboid registers ``"cuboid_cp"`` in ``AttentionInterface`` (an attention function) and switches a model to it
+with ``set_attn_implementation``: no edit to the model's code. transformers builds no mask for an
+implementation its mask registry does not list; the function applies the causal mask on global positions and the
+padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step it is the ``sdpa``
+function. Sliding-window layers and logit soft-capping are refused, by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cuboid.context.attention import ContextParallelError
+from cuboid.context.runtime import KEY_PADDING, active
+
+NAME = "cuboid_cp"
+# Implementations whose result is plain softmax attention, which "cuboid_cp" computes exactly.
+EXACT = {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cp = active()
+    padding = kwargs.pop(KEY_PADDING, None)
+    if cp is None:  # the model run outside a context-parallel step (predict, a user's own call): plain sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if kwargs.get("sliding_window") is not None:
+        raise ContextParallelError(
+            f"context_parallel={cp.size}: {layer} uses sliding-window attention (sliding_window="
+            f"{kwargs['sliding_window']}), which Cuboid cannot split across sequence shards yet. Use a model "
+            "without sliding-window layers (config.sliding_window=None / use_sliding_window=False), or "
+            "context_parallel=1."
+        )
+    if kwargs.get("softcap") is not None:
+        raise ContextParallelError(
+            f"context_parallel={cp.size}: {layer} soft-caps its attention logits (softcap={kwargs['softcap']}), "
+            "which Cuboid's context-parallel attention does not compute. Use context_parallel=1."
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    gqa, dropout = key.shape[1] != query.shape[1], dropout if module.training else 0.0
+    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_cp_attention(model: nn.Module) -> bool:
+    """Switch a transformers model to ``"cuboid_cp"`` (True); a plain model is left alone (False)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return False
+    from transformers import AttentionInterface
+
+    current = getattr(config, "_attn_implementation", None) or "sdpa"
+    if current not in EXACT | {NAME}:
+        raise ContextParallelError(
+            f"context_parallel cannot split attn_implementation={current!r} of {type(model).__name__}: Cuboid's "
+            f"context-parallel attention computes plain causal softmax attention ({', '.join(sorted(EXACT))} "
+            "compute the same). Load the model with attn_implementation='sdpa', or use context_parallel=1."
+        )
+    AttentionInterface.register(NAME, _attention)
+    model.set_attn_implementation(NAME)
+    return True

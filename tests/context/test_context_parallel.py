@@ -1,0 +1,117 @@
+"""Context parallel trains like one process: Cuboid's Llama at cp2 (with activation checkpointing), cp2 x dp2
+(compiled blocks), cp2 x HSDP, cp2 x tp2 (sequence parallel), cp4 and pp2 x cp2; transformers Llama and Qwen3 at cp2
+and cp2 x dp2 (padded batches, -100 labels: the loss is the whole sequence's token mean) and Qwen3 at pp2 x cp2
+(Interleaved1F1B, padded); checkpoints move between cp2 and cp1 both ways; a sequence that cp cannot split stops
+before the first step. Sequences of 64 tokens, the one parity bound (1e-5).
+
+The LightningModules are the suite's usual ones (``parity_lib.LlamaModule``: its step shifts ``tokens[:, 1:]``
+itself; ``third_party.HFModule``: the model's own loss from ``labels``), unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import third_party
+import torch
+from harness import WORKERS, torchrun
+from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
+
+SEQ = 64  # Cuboid's Llama reads tokens[:, :-1]: 64 tokens; a transformers model reads all 64 of seq + 1 = 64
+HF_SEQ = SEQ - 1
+CP2 = {"context_parallel": 2}
+
+# name -> (world, spec); the reference of each is named by its model and padding.
+RUNS: dict[str, tuple[int, dict]] = {
+    "cp2-ac_full": (2, {"strategy": {**CP2, "activation_checkpointing": "full"}, "seq": SEQ}),
+    "hf_llama-cp2": (2, {"model": "hf_llama", "strategy": CP2, "seq": HF_SEQ}),
+    "hf_qwen3-cp2-padded": (2, {"model": "hf_qwen3", "strategy": CP2, "seq": HF_SEQ, "padded": True}),
+    "cp2xdp2-compile": (4, {"strategy": {**CP2, "compile": True}, "seq": SEQ}),
+    "cp2xhsdp2": (4, {"strategy": {**CP2, "data_parallel_replicate": 2}, "seq": SEQ}),
+    "cp2xtp2": (4, {"strategy": {**CP2, "tensor_parallel": 2}, "seq": SEQ}),
+    "cp4": (4, {"strategy": {"context_parallel": 4}, "seq": SEQ}),
+    "pp2xcp2": (4, {"strategy": {**CP2, "pipeline_parallel": 2}, "seq": SEQ}),
+    "hf_llama-cp2xdp2-padded": (4, {"model": "hf_llama", "strategy": CP2, "seq": HF_SEQ, "padded": True}),
+    "hf_qwen3-cp2xdp2": (4, {"model": "hf_qwen3", "strategy": CP2, "seq": HF_SEQ}),
+    "hf_qwen3-pp2xcp2-Interleaved1F1B-padded": (
+        4,
+        {
+            "model": "hf_qwen3",
+            "strategy": {**CP2, "pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B"},
+            "seq": HF_SEQ,
+            "padded": True,
+        },
+    ),
+}
+SAVE = {"max_steps": 7, "save_every": 6, "seq": SEQ}
+ERRORS = {"err-seq-not-divisible": {"strategy": {"context_parallel": 2}, "seq": 62}}  # 62 % (2 x 2) = 2
+TABLE: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+    out = tmp_path_factory.mktemp("cp")
+    ckpt = [
+        {"name": "cp2-save", "strategy": CP2, **SAVE, "save_dir": str(out / "cp2")},
+        {"name": "dp2-from-cp2", "strategy": {}, "seq": SEQ, "resume_from": str(out / "cp2" / "step=6.ckpt")},
+        {"name": "dp2-save", "strategy": {}, **SAVE, "save_dir": str(out / "dp2")},
+        {"name": "cp2-from-dp2", "strategy": CP2, "seq": SEQ, "resume_from": str(out / "dp2" / "step=6.ckpt")},
+    ]
+    errors = [{"name": name, "expect_error": True, **spec} for name, spec in ERRORS.items()]
+    for world in (2, 4):
+        specs = [{"name": name, **spec} for name, (w, spec) in RUNS.items() if w == world]
+        torchrun(
+            world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt + errors if world == 2 else []))
+        )
+    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
+    got.update({n: json.loads((out / f"{n}.error.json").read_text()) for n in ERRORS})
+    yield got
+    print("\ncontext parallel parity (max relative loss error, max absolute parameter error):")
+    for name, (rel, err) in TABLE.items():
+        print(f"  {name:26s} {rel:.1e} {err:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_context_parallel_matches_single_process(name: str, results) -> None:
+    world, spec = RUNS[name]
+    family, sizes = spec.get("model"), spec["strategy"]
+    dp = world // (sizes["context_parallel"] * sizes.get("tensor_parallel", 1) * sizes.get("pipeline_parallel", 1))
+    if family is None:
+        ref = reference_run(seq=SEQ)
+    else:
+        ref = third_party.reference_run(family, padded=spec.get("padded", False), seq=HF_SEQ, dp=dp)
+    got = results[name]
+    rel, err = parity_errors(got, ref)
+    TABLE[name] = (rel, err)
+    assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
+    assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+    # What the step logged (self.log, synced over dp only) is the whole sequence's loss too.
+    logged = got["ranks"][0]["logged"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(logged, ref.losses, strict=True)) <= LOSS_RTOL
+    # cp peers read the same batches; dp ranks different ones; parameters sharded over dp_shard x cp.
+    by_dp: dict[int, list] = {}
+    for facts in got["ranks"]:
+        by_dp.setdefault(facts["dp_rank"], []).append(facts["seen"])
+    assert len(by_dp) == dp and all(s == seen[0] for seen in by_dp.values() for s in seen)
+    dims = {tuple(d) for facts in got["ranks"] for d, *_ in facts["placements"].values()}
+    assert all(("dp_shard_cp" in d) for d in dims), dims
+    if sizes.get("compile"):
+        assert all(r["compiled_graphs"] > 0 for r in got["ranks"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "saved"), [("dp2-from-cp2", "cp2-save"), ("cp2-from-dp2", "dp2-save")])
+def test_checkpoints_move_between_cp2_and_cp1(name: str, saved: str, results) -> None:
+    ref = reference_run(seq=SEQ)
+    assert parity_errors(results[saved], ref, slice(0, 7))[0] <= LOSS_RTOL
+    rel, err = parity_errors(results[name], ref, slice(6, None))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, rel, err)
+
+
+@pytest.mark.slow
+def test_a_sequence_cp_cannot_split_stops_before_the_first_step(results) -> None:
+    error = results["err-seq-not-divisible"]["error"]
+    assert "62 tokens cannot be split over context_parallel=2" in error and "multiple of 4" in error, error
