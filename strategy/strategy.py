@@ -152,7 +152,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             canonical_style(style, pattern)
         sizes = (pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
         self.layout = Layout(*sizes)
-        self.context = ContextParallel(context_parallel)
+        self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
         self._dp_shard_auto = data_parallel_shard == "auto"
         self.fit_estimate: capacity.Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None

@@ -11,11 +11,12 @@ from cuboid.context.attention import (
     shard_sequence,
     unshard_sequence,
 )
-from cuboid.context.runtime import ContextParallel, positions_keyword
+from cuboid.context.runtime import ContextParallel, check_composes, positions_keyword
 
 __all__ = [
     "ContextParallel",
     "ContextParallelError",
+    "check_composes",
     "chunk_ids",
     "cp_attention",
     "gather_sequence",

@@ -106,7 +106,10 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) ->
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=_with_forward_modes(context_fn), **kwargs)
+        # Eager: the recompute runs under the forward's TorchFunctionModes. Compiled (compile=True), Dynamo traces
+        # the checkpoint with the context_fn as given (it takes no other kind) and replays its own graph.
+        fn = context_fn if torch.compiler.is_compiling() else _with_forward_modes(context_fn)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=fn, **kwargs)
 
     return run
 
