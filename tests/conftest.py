@@ -8,19 +8,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-# SLURM's commands, shadowed for the whole session by decoys that record any call: the suite simulates SLURM with
-# its variables, and must never reach a real controller (on a cluster's login node job 4242 may be someone's).
-SLURM_COMMANDS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sacct")
+# SLURM's commands, shadowed for the whole session by decoys: a call that carries the suite's own cluster's
+# SLURM_CONF (tests/job/test_local_cluster.py brings it up, scripts/slurm/local_cluster.sh) goes to the real command;
+# any other is recorded and fails (tests that simulate SLURM with its variables must never reach a real controller:
+# on a cluster's login node job 4242 may be someone's).
+SLURM_COMMANDS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sacct", "sinfo")
+PRIVATE_CONF_VAR = "CUBOID_TEST_SLURM_CONF"  # set by the local-cluster fixture to its slurm.conf
 _DECOYS = Path(tempfile.mkdtemp(prefix="cuboid-slurm-decoys-"))
 DECOY_LOG = _DECOYS / "calls.log"
 
 
 def pytest_configure(config) -> None:
+    path = os.environ.get("PATH", "")
     for name in SLURM_COMMANDS:
+        real = shutil.which(name, path=path)
+        through = f'if [ -n "$SLURM_CONF" ] && [ "$SLURM_CONF" = "${PRIVATE_CONF_VAR}" ]; then exec {real} "$@"; fi\n'
         decoy = _DECOYS / name
-        decoy.write_text(f'#!/bin/sh\necho "{name} $* (SLURM_CONF=$SLURM_CONF)" >> {DECOY_LOG}\nexit 1\n')
+        decoy.write_text(
+            "#!/bin/sh\n"
+            + (through if real else "")
+            + f'echo "{name} $* (SLURM_CONF=$SLURM_CONF)" >> {DECOY_LOG}\nexit 1\n'
+        )
         decoy.chmod(0o755)
-    os.environ["PATH"] = f"{_DECOYS}{os.pathsep}{os.environ.get('PATH', '')}"
+    os.environ["PATH"] = f"{_DECOYS}{os.pathsep}{path}"
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -93,9 +93,11 @@ def reference_run(
     clip: float | None = -1.0,
     initial: dict[str, torch.Tensor] | None = None,
     seq: int = SEQ,
+    steps: int | None = None,
 ) -> Reference:
     """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
-    not clipped), from :func:`initial_model` or the weights ``initial``; sequences of ``seq`` tokens."""
+    not clipped), from :func:`initial_model` or the weights ``initial``; sequences of ``seq`` tokens; the first
+    ``steps`` batches only (default: every batch of every epoch)."""
     max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
     model = initial_model()
     if initial is not None:
@@ -105,7 +107,7 @@ def reference_run(
     losses, norms = [], []
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        for k in range(len(data) // GLOBAL_BATCH):
+        for k in range(len(data) // GLOBAL_BATCH if steps is None else steps):
             tokens = torch.stack([data[i]["tokens"] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]])
             loss = lm_loss(model(tokens[:, :-1]), tokens)
             (loss / accumulate).backward()

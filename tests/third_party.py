@@ -171,6 +171,8 @@ def reference_run(
     padded: bool = False,
     dp: int = 1,
     seq: int = SEQ,
+    steps: int | None = None,
+    max_norm: float | None = None,
 ) -> Reference:
     """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
     :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
@@ -185,7 +187,7 @@ def reference_run(
     losses, norms = [], []
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
-        for k in range(len(data) // GLOBAL_BATCH):
+        for k in range(len(data) // GLOBAL_BATCH if steps is None else steps):  # steps: the first batches only
             window = perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
             loss = 0.0
             for r in range(shares):
@@ -194,7 +196,8 @@ def reference_run(
                 loss = loss + hf_loss(model, batch) / shares
             loss.backward()
             losses.append(loss.item())
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip(family, padded))))
+            limit = clip(family, padded) if max_norm is None else max_norm
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)))
             opt.step()
             opt.zero_grad()
     return Reference(losses, norms, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()})

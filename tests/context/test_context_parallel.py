@@ -21,6 +21,10 @@ from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 SEQ = 64  # Cuboid's Llama reads tokens[:, :-1]: 64 tokens; a transformers model reads all 64 of seq + 1 = 64
 HF_SEQ = SEQ - 1
+STEPS = 6  # of the epoch's 12 (the reference stops there too)
+# Max grad norms at 64 tokens, where the gradient norms differ from the suite's 32-token runs: the reference clips
+# on some of the 6 steps and not on others (asserted below). Padded runs keep third_party's.
+CLIP = {None: 1.3, "hf_llama": 1.65, "hf_qwen3": 1.7}
 CP2 = {"context_parallel": 2}
 
 # name -> (world, spec); the reference of each is named by its model and padding.
@@ -45,7 +49,8 @@ RUNS: dict[str, tuple[int, dict]] = {
         },
     ),
 }
-SAVE = {"max_steps": 7, "save_every": 6, "seq": SEQ}
+SAVE = {"max_steps": 7, "save_every": 6, "seq": SEQ, "clip": CLIP[None]}
+RESUME = {"seq": SEQ, "clip": CLIP[None]}
 ERRORS = {"err-seq-not-divisible": {"strategy": {"context_parallel": 2}, "seq": 62}}  # 62 % (2 x 2) = 2
 TABLE: dict[str, tuple[float, float]] = {}
 
@@ -55,13 +60,22 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
     out = tmp_path_factory.mktemp("cp")
     ckpt = [
         {"name": "cp2-save", "strategy": CP2, **SAVE, "save_dir": str(out / "cp2")},
-        {"name": "dp2-from-cp2", "strategy": {}, "seq": SEQ, "resume_from": str(out / "cp2" / "step=6.ckpt")},
+        {"name": "dp2-from-cp2", "strategy": {}, **RESUME, "resume_from": str(out / "cp2" / "step=6.ckpt")},
         {"name": "dp2-save", "strategy": {}, **SAVE, "save_dir": str(out / "dp2")},
-        {"name": "cp2-from-dp2", "strategy": CP2, "seq": SEQ, "resume_from": str(out / "dp2" / "step=6.ckpt")},
+        {"name": "cp2-from-dp2", "strategy": CP2, **RESUME, "resume_from": str(out / "dp2" / "step=6.ckpt")},
     ]
     errors = [{"name": name, "expect_error": True, **spec} for name, spec in ERRORS.items()]
     for world in (2, 4):
-        specs = [{"name": name, **spec} for name, (w, spec) in RUNS.items() if w == world]
+        specs = [
+            {
+                "name": name,
+                "max_steps": STEPS,
+                **({} if spec.get("padded") else {"clip": CLIP[spec.get("model")]}),
+                **spec,
+            }
+            for name, (w, spec) in RUNS.items()
+            if w == world
+        ]
         torchrun(
             world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt + errors if world == 2 else []))
         )
@@ -79,10 +93,16 @@ def test_context_parallel_matches_single_process(name: str, results) -> None:
     world, spec = RUNS[name]
     family, sizes = spec.get("model"), spec["strategy"]
     dp = world // (sizes["context_parallel"] * sizes.get("tensor_parallel", 1) * sizes.get("pipeline_parallel", 1))
+    padded = spec.get("padded", False)
     if family is None:
-        ref = reference_run(seq=SEQ)
+        ref = reference_run(seq=SEQ, steps=STEPS, clip=CLIP[None])
+        limit = CLIP[None]
     else:
-        ref = third_party.reference_run(family, padded=spec.get("padded", False), seq=HF_SEQ, dp=dp)
+        limit = third_party.clip(family, padded) if padded else CLIP[family]
+        ref = third_party.reference_run(family, padded=padded, seq=HF_SEQ, dp=dp, steps=STEPS, max_norm=limit)
+    clipped = [n > limit for n in ref.grad_norms]
+    assert any(clipped) and not all(clipped), (name, ref.grad_norms)  # clipping is exercised, both ways
+    assert len(results[name]["losses"]) == STEPS
     got = results[name]
     rel, err = parity_errors(got, ref)
     TABLE[name] = (rel, err)
@@ -105,7 +125,7 @@ def test_context_parallel_matches_single_process(name: str, results) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "saved"), [("dp2-from-cp2", "cp2-save"), ("cp2-from-dp2", "dp2-save")])
 def test_checkpoints_move_between_cp2_and_cp1(name: str, saved: str, results) -> None:
-    ref = reference_run(seq=SEQ)
+    ref = reference_run(seq=SEQ, clip=CLIP[None])
     assert parity_errors(results[saved], ref, slice(0, 7))[0] <= LOSS_RTOL
     rel, err = parity_errors(results[name], ref, slice(6, None))
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, rel, err)

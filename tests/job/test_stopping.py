@@ -23,6 +23,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, signall
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert code == 0, out[-4000:]
     assert facts == [{"exception": "SIGTERMException", "global_step": 4}] * 2, out[-4000:]
+    # SIGTERM is in the default preempt_on: one checkpoint, under the run's own directory (not the working one)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["preempted-step=4.ckpt"]
 
 
 @pytest.fixture(scope="module")

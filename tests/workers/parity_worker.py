@@ -226,6 +226,7 @@ def run(spec: dict, out_dir: Path) -> None:
         module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
         dataset = TokenDataset(n=spec.get("samples", 96), seq=spec.get("seq", SEQ))
         clip = CLIP[spec.get("accumulate", 1)]
+    clip = spec.get("clip", clip)  # a run's own max norm (e.g. longer sequences, whose gradient norms differ)
     if spec.get("probe_module"):  # a real submodule made in __init__, beside a model built on meta: kept as is
         module.probe = torch.nn.Linear(4, 4)
         torch.nn.init.constant_(module.probe.weight, 0.5)

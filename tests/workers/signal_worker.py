@@ -69,6 +69,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Record(out)],
+        default_root_dir=out,  # the SIGTERM's preemption checkpoint goes here, not into the working directory
     )
     trainer.fit(Regressor(signalled, sig, out), DataLoader(data, batch_size=8))
     (out / f"rank{trainer.global_rank}.json").write_text(
