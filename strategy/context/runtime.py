@@ -47,8 +47,9 @@ class ContextParallel:
     """The context-parallel side of one strategy: ``size`` cp ranks share every sequence (refused, by
     :func:`check_composes`, with what it does not compose with yet).
 
-    ``setup`` after the model is parallelized; ``step()`` around every training, validation and test step *and*
-    backward (activation checkpointing recomputes attention there)."""
+    ``setup`` after the model is parallelized; ``step()`` around every training, validation and test step (and,
+    under pp, the schedule). Activation checkpointing's recompute in backward re-enters the forward's interception
+    by itself (:func:`cuboid.parallel.parallelize.apply_ac`)."""
 
     def __init__(self, size: int = 1, compile: bool = False, activation_checkpointing: str | None = None) -> None:
         check_composes(size, compile, activation_checkpointing)
