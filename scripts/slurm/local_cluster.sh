@@ -53,7 +53,8 @@ SlurmctldHost=localhost
 SlurmctldPort=$ctld
 SlurmUser=$(id -un)
 AuthType=auth/munge
-AuthInfo=socket=$DIR/munge/munge.socket
+# cred_expire: a requeued job may start again cred_expire + 1 s after the requeue (SLURM's default: 120 s).
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n

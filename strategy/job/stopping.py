@@ -13,8 +13,8 @@ a MAX all-reduce of one host integer over a gloo group tells every rank what any
 * a signal in ``preempt_on`` (default SIGUSR1, which ``sbatch --signal=USR1@120`` sends before the time limit,
   and SIGTERM, which SLURM sends on preemption or ``scancel``): every rank saves
   ``<checkpoint dir>/preempted-step=<N>.ckpt`` (the ModelCheckpoint's ``dirpath``, else
-  ``<default_root_dir>/checkpoints``), waits for it to be complete, then rank 0 runs ``scontrol requeue
-  $SLURM_JOB_ID`` when both exist; every rank stops with ``SIGTERMException`` (exit code 0), raised by
+  ``<default_root_dir>/checkpoints``), waits for it to be complete, then rank 0 asks SLURM to requeue the job
+  (``requeue`` below: through the batch script when it says so, else ``scontrol requeue``); every rank stops with ``SIGTERMException`` (exit code 0), raised by
   Lightning's loop at the end of the step once its metrics are logged. The next start with
   ``ckpt_path="auto"`` resumes from it.
 * SIGTERM not in ``preempt_on``: every rank stops the same way without saving (Lightning's behaviour, agreed).
@@ -148,16 +148,32 @@ class StopAgreement(L.Callback):
         return path
 
 
-def requeue(is_rank0: bool) -> bool:
-    """On rank 0 under SLURM, ``scontrol requeue`` this job (array task included). Returns whether it was asked.
+REQUEUE_FILE = "CUBOID_REQUEUE_FILE"
 
-    The command is ``$CUBOID_SCONTROL`` when set (a site's wrapper, or a test's own recorder, so that a test
-    simulating SLURM never reaches a real controller), else ``scontrol`` on the ``PATH``."""
+
+def requeue(is_rank0: bool) -> bool:
+    """On rank 0 under SLURM, ask for this job (array task included) to be requeued. Returns whether it was asked.
+
+    With ``$CUBOID_REQUEUE_FILE`` set (``scripts/slurm/train.sbatch`` sets it), rank 0 writes the job id there and
+    the batch script runs ``scontrol requeue`` once ``srun`` has returned, every task having exited 0: a requeue
+    asked from inside the step kills the tasks still shutting down (a ``ConnectionResetError`` traceback and
+    ``srun: error: ... task 1: Terminated`` in the job's log). Otherwise rank 0 runs ``$CUBOID_SCONTROL requeue``
+    (a site's wrapper, or a test's own recorder, so that a test simulating SLURM never reaches a real controller),
+    else ``scontrol`` on the ``PATH``, as Lightning does."""
     job = slurm_job_id()
+    if not is_rank0:
+        return False
+    flag = os.environ.get(REQUEUE_FILE)
+    if job and flag:
+        Path(flag).parent.mkdir(parents=True, exist_ok=True)
+        Path(flag).write_text(f"{job}\n")
+        rank_zero_info(
+            f"Cuboid: requeue of job {job} asked through {flag}; the batch script requeues once every task has exited."
+        )
+        return True
     command = os.environ.get("CUBOID_SCONTROL", "scontrol")
-    if not is_rank0 or not job or shutil.which(command) is None:
-        if is_rank0:
-            rank_zero_info(f"Cuboid: not under SLURM with {command}: start the same command again to resume.")
+    if not job or shutil.which(command) is None:
+        rank_zero_info(f"Cuboid: not under SLURM with {command}: start the same command again to resume.")
         return False
     code = subprocess.call([command, "requeue", job])
     rank_zero_info(f"Cuboid: {command} requeue {job} -> exit code {code}")

@@ -397,12 +397,12 @@ def test_prepare_data_with_a_model_tokenizer_writes_its_token_ids(tmp_path: Path
 
 @pytest.mark.slow
 def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path: Path) -> None:
-    """The main job as SLURM would treat it: SIGUSR1 (``--signal=USR1@120``) to rank 0 after the step-10
+    """The main job as SLURM would treat it: SIGUSR1 (``--signal=USR1@120``) to rank 0 after the step-4
     checkpoint; it saves ``preempted-step=N.ckpt`` and exits 0; the same command again (``ckpt_path: auto``)
     resumes there and logs to the same W&B run; its losses and final validation equal an uninterrupted run's."""
     import signal
 
-    steps = ["trainer.max_steps=40", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
+    steps = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.log_every_n_steps=1",
              "trainer.enable_progress_bar=false"]  # fmt: skip
     train(tmp_path, *steps, f"hydra.run.dir={tmp_path / 'whole'}")
     whole = summary(tmp_path / "whole")
@@ -411,7 +411,7 @@ def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
     deadline = time.time() + 240
-    while not list((run / "checkpoints").glob("*step=10.ckpt")) and time.time() < deadline:
+    while not list((run / "checkpoints").glob("*step=4.ckpt")) and time.time() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGUSR1)  # rank 0: Lightning's launcher runs it in the process it was started as
     out, _ = proc.communicate(timeout=240)
@@ -419,12 +419,12 @@ def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path
     saved = list((run / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(saved) == 1, out[-4000:]
     n = int(saved[0].name.split("=")[1].split(".")[0])
-    assert 10 <= n < 40
+    assert 4 <= n < 12
     assert not (run / "summary.json").exists()  # the job stopped inside fit (SIGTERMException, exit code 0)
     out = train(tmp_path, *steps, f"hydra.run.dir={run}")
     assert f"resuming from {saved[0]}" in out
     second = summary(run)
-    assert second["steps"] == 40
+    assert second["steps"] == 12
     assert second["losses"] == pytest.approx(whole["losses"][n:], rel=1e-5)
     assert second["val_ppl"] == pytest.approx(whole["val_ppl"], rel=1e-5)
     runs = sorted((run / "wandb").glob("offline-run-*"))
@@ -438,14 +438,14 @@ def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path
 @pytest.mark.slow
 def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Path) -> None:
     """Two tasks with SLURM's variables (one node, job 4242, no launcher of ours): SIGUSR1 to task 1 only, after
-    the step-10 checkpoint. Both tasks stop after the same step with one checkpoint and exit 0, rank 0 asking once
+    the step-4 checkpoint. Both tasks stop after the same step with one checkpoint and exit 0, rank 0 asking once
     for ``requeue 4242`` from the test's own recorder (``CUBOID_SCONTROL``: a test that simulates SLURM never
     reaches a real controller, which on a login node could requeue a stranger's job 4242). The
     requeued job (same variables, same run directory) resumes there into the same W&B run, and its losses and
     final validation equal an uninterrupted run's under the same variables."""
     import signal
 
-    steps = ["trainer.max_steps=40", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1",
+    steps = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.log_every_n_steps=1",
              "trainer.enable_progress_bar=false", "trainer.devices=2"]  # fmt: skip
 
     calls = tmp_path / "scontrol_calls.txt"
@@ -471,7 +471,7 @@ def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Pa
     run = tmp_path / "run"
     procs = launch(run)
     deadline = time.time() + 240
-    while not list((run / "checkpoints").glob("*step=10.ckpt")) and time.time() < deadline:
+    while not list((run / "checkpoints").glob("*step=4.ckpt")) and time.time() < deadline:
         time.sleep(0.05)
     os.kill(procs[1].pid, signal.SIGUSR1)  # task 1 only: the other learns of it through the per-step agreement
     outs = finish(procs)
@@ -480,11 +480,11 @@ def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Pa
     saved = list((run / "checkpoints").glob("preempted-step=*.ckpt"))
     assert len(saved) == 1
     n = int(saved[0].name.split("=")[1].split(".")[0])
-    assert 10 <= n < 40 and not (run / "summary.json").exists()
+    assert 4 <= n < 12 and not (run / "summary.json").exists()
     outs = finish(launch(run))
     assert f"resuming from {saved[0]}" in outs[0]
     second = summary(run)
-    assert second["steps"] == 40 and second["cluster_environment"] == "SLURMEnvironment"
+    assert second["steps"] == 12 and second["cluster_environment"] == "SLURMEnvironment"
     assert second["losses"] == pytest.approx(whole["losses"][n:], rel=1e-5)
     assert second["val_ppl"] == pytest.approx(whole["val_ppl"], rel=1e-5)
     runs = sorted((run / "wandb").glob("offline-run-*"))
