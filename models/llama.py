@@ -22,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuboid.models.hf_llama import check_hf_config, hf_config, hf_name, to_hf_llama
+from cuboid.models.moe import MoE
+
+__all__ = ["CONFIGS", "Llama", "LlamaConfig", "check_hf_config", "hf_config", "hf_name", "to_hf_llama"]
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -43,6 +48,14 @@ class LlamaConfig:
     rope_original_max_seq_len: int = 8192
     # The output head shares the token embedding's weight (Llama 3.2 1B and 3B).
     tie_embeddings: bool = False
+    # Mixture of experts (cuboid.models.moe): 0 = dense. Each block's feed-forward becomes n_experts SwiGLU experts
+    # of moe_ffn_dim (default ffn_dim), top_k per token, plus one shared expert of ffn_dim if shared_expert; the LM
+    # adds aux_loss_coef x the load-balancing loss.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int | None = None
+    shared_expert: bool = False
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, (int, float)):
@@ -57,10 +70,15 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def num_params(self) -> int:
-        """Parameter count (a tied output head counted once)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (a tied output head counted once); ``active``: an MoE block's experts counted top_k
+        times instead of n_experts (the parameters one token's forward uses)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.dim * self.ffn_dim
+        if self.n_experts:
+            experts = self.top_k if active else self.n_experts
+            mlp = experts * 3 * self.dim * (self.moe_ffn_dim or self.ffn_dim) + self.n_experts * self.dim
+            mlp += 3 * self.dim * self.ffn_dim if self.shared_expert else 0
         block = attn + mlp + 2 * self.dim
         heads = 1 if self.tie_embeddings else 2
         return self.n_layers * block + heads * self.vocab_size * self.dim + self.dim
@@ -68,7 +86,7 @@ class LlamaConfig:
     def matmul_params(self) -> int:
         """Parameters a token's forward multiplies with: all but the input embedding (a lookup), which a tied
         output head still uses as its matrix."""
-        return self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+        return self.num_params(active=True) - (0 if self.tie_embeddings else self.vocab_size * self.dim)
 
 
 # Named sizes, one registry of plain data (litgpt-style; conf/model/*.yaml are generated from it by
@@ -78,6 +96,7 @@ _LLAMA31 = {"max_seq_len": 131072, "rope_theta": 500000.0, "rope_scaling": 8.0}
 _LLAMA32 = {**_LLAMA31, "rope_scaling": 32.0, "tie_embeddings": True}
 CONFIGS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(),
+    "moe_debug": LlamaConfig(n_experts=4, top_k=2, moe_ffn_dim=96, shared_expert=True),
     "150m": LlamaConfig(
         vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=3072, max_seq_len=2048
     ),
@@ -218,7 +237,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward: nn.Module = FeedForward(cfg.dim, cfg.ffn_dim)
+        if cfg.n_experts:
+            shared = FeedForward(cfg.dim, cfg.ffn_dim) if cfg.shared_expert else None
+            self.feed_forward = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k, shared)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), position_ids=position_ids)
@@ -266,10 +288,15 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            elif name.endswith(("attention.wo.weight", "w2.weight", "experts.down_proj")):
                 nn.init.normal_(p, 0.0, residual_std)
             else:
                 nn.init.normal_(p, 0.0, std)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sum of this model's MoE blocks' load-balancing losses from their last forward (None when dense)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
 
     def pretrained_names(self) -> dict[str, str]:
         """State-dict adapter for ``CuboidStrategy(pretrained=...)``: each of our parameter names -> its name in a
@@ -292,86 +319,3 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
-
-
-# Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside. The weights
-# themselves are laid out alike (rotate-half rotary pairs), so the names are the whole mapping.
-_HF_BLOCK_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_HF_OTHER_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names (relative to :class:`Llama`)."""
-    if name in _HF_OTHER_NAMES:
-        return _HF_OTHER_NAMES[name]
-    _, index, suffix = name.split(".", 2)  # layers.<i>.<suffix>
-    return f"model.layers.{index}.{_HF_BLOCK_NAMES[suffix]}"
-
-
-def hf_config(cfg: LlamaConfig) -> dict:
-    """The ``config.json`` contents of the Hugging Face ``LlamaForCausalLM`` equal to ``cfg``."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-    if cfg.rope_scaling is not None:
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
-        }
-    return config
-
-
-def check_hf_config(cfg: LlamaConfig, config: dict) -> list[str]:
-    """Where a Hugging Face ``config.json`` describes another model than ``cfg`` (empty when they agree)."""
-    ours = hf_config(cfg)
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    theirs = {**config, "rope_theta": config.get("rope_theta", scaling.get("rope_theta"))}
-    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "rope_theta", "tie_word_embeddings", "rms_norm_eps"]  # fmt: skip
-    wrong = [f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys if k in theirs and theirs[k] != ours[k]]
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = scaling.get("factor")
-        if factor != cfg.rope_scaling:
-            wrong.append(f"rope scaling factor: {factor!r} there, {cfg.rope_scaling!r} here")
-    elif cfg.rope_scaling is not None:
-        wrong.append(f"rope scaling: none there, llama3 x{cfg.rope_scaling} here")
-    return wrong
-
-
-def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """Our Llama's weights (names relative to the model) as a Hugging Face ``LlamaForCausalLM`` state dict, plus
-    the matching ``config.json`` contents. A tied output head is left out, as Hugging Face saves it."""
-    skip = {"output.weight"} if cfg.tie_embeddings else set()
-    return {hf_name(name): tensor for name, tensor in state.items() if name not in skip}, hf_config(cfg)

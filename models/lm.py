@@ -87,9 +87,13 @@ class CausalLM(L.LightningModule):
         c = self.cfg
         return 6 * c.matmul_params() + 12 * c.n_layers * c.dim * seq_len
 
-    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def loss(self, batch: torch.Tensor, aux: bool = True) -> torch.Tensor:
+        """Next-token cross-entropy; with ``aux`` (training) plus ``cfg.aux_loss_coef`` x the MoE blocks'
+        load-balancing loss, when the model has any (validation and perplexity use the language-model loss alone)."""
         logits = self.model(batch[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        balance = self.model.aux_loss() if aux else None
+        return loss if balance is None else loss + self.cfg.aux_loss_coef * balance
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -108,7 +112,7 @@ class CausalLM(L.LightningModule):
         return bool(every) and ((trainer.global_step + 1) % every == 0 or trainer.should_stop)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=batch.shape[0])
+        self.val_loss.update(self.loss(batch, aux=False), weight=batch.shape[0])
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()

@@ -106,6 +106,7 @@ def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
             "dp_shard": layout.dp_shard,
             "cp": layout.cp,
             "tp": layout.tp,
+            "ep": layout.ep,
         }
     return {"strategy": type(strategy).__name__, "world_size": world_size}
 

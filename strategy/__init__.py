@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
+from cuboid.experts import ExpertParallelError
 from cuboid.job import RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CommLedger",
     "ContextParallelError",
+    "ExpertParallelError",
     "CuboidMonitor",
     "CuboidPrecision",
     "CuboidStrategy",

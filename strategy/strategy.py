@@ -32,9 +32,16 @@ from cuboid.context import ContextParallel
 from cuboid.job import JobGuard
 from cuboid.job import launch as job_launch
 from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import FLATTENED, MESH_NAMES, Layout, build_device_mesh, check_reshard_after_forward
+from cuboid.parallel.mesh import (
+    FLATTENED,
+    MESH_NAMES,
+    Layout,
+    build_device_mesh,
+    build_ep_meshes,
+    check_reshard_after_forward,
+)
 from cuboid.parallel.mesh_strategy import MeshStrategy
-from cuboid.parallel.parallelize import ACMode, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
+from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
 from cuboid.parallel.styles import canonical_style
 from cuboid.pipeline import Pipelining, batch_and_index
 from cuboid.planning import capacity
@@ -67,6 +74,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         tensor_parallel: Tensor-parallel degree (``tp``), the innermost dim: keep it within a node.
         context_parallel: Context-parallel degree (``cp``): each sequence split over ``cp`` ranks, load-balanced for
             causal attention; FSDP shards over ``dp_shard x cp``; the step is unchanged (``docs/context.md``).
+        expert_parallel: Ranks each mixture-of-experts layer's experts are split over (``ep``), within ``dp_shard``;
+            tokens reach their experts by all-to-all, the router is the model's own (``docs/experts.md``).
         tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``, ``"embedding"``,
             ``"output"``, ``"sequence_parallel"``), names as seen from the LightningModule, e.g.
             ``{"model.layers.*.attention.wq": "colwise"}``. Default: the model's own ``tp_plan`` (or a Hugging Face
@@ -113,6 +122,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         data_parallel_shard: int | Literal["auto"] = "auto",
         tensor_parallel: int = 1,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
         tensor_parallel_plan: Mapping[str, str] | None = None,
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
@@ -151,7 +161,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         for pattern, style in (tensor_parallel_plan or {}).items():
             canonical_style(style, pattern)
         sizes = (pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
-        self.layout = Layout(*sizes)
+        self.layout = Layout(*sizes, ep=expert_parallel)
         self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
         self._dp_shard_auto = data_parallel_shard == "auto"
         self.fit_estimate: capacity.Estimate | None = None  # parameter bytes per rank, estimated before sharding
@@ -171,6 +181,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1
+        self._experts: ExpertsLayout | None = None
 
     @property
     @override
@@ -181,21 +192,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return False
-
-    @property
-    @override
-    def precision_plugin(self) -> CuboidPrecision:
-        if not isinstance(self._precision_plugin, CuboidPrecision):
-            self._precision_plugin = CuboidPrecision()
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning hands a third-party strategy an autocast/casting plugin; keep its precision name only.
-        if plugin is None or isinstance(plugin, CuboidPrecision):
-            self._precision_plugin = plugin
-        else:
-            self._precision_plugin = CuboidPrecision(str(plugin.precision))
 
     @override
     def _configure_launcher(self) -> None:
@@ -223,6 +219,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.faults.after_process_group(self.global_rank, self.world_size)
         self.layout = layout
         self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
+        if layout.ep > 1:
+            self._experts = ExpertsLayout(*build_ep_meshes(self._device_mesh, layout.ep), layout.dp * layout.cp)
         self.faults.after_mesh(self._device_mesh, MESH_NAMES, self.global_rank)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite
@@ -299,6 +297,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             compile=self.compile,
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
+            experts=self._experts,
         )
         if pipelined:
             stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)

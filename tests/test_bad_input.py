@@ -15,10 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from cuboid import CuboidStrategy, Layout, LayoutError, PlanError
+from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
+from cuboid.experts import expert_block
 from cuboid.models import Llama, LlamaConfig
+from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
 
@@ -389,6 +391,55 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         r"context_parallel needs the model's forward to take position_ids.*Embedding.forward",
     ),
 }
+
+
+def _moe_blocks(family: str, **config: object) -> list[tuple[str, nn.Module]]:
+    """The decoder layers of a tiny transformers model built on meta, as Cuboid's block search returns them."""
+    import transformers
+
+    kinds = {"qwen3_moe": transformers.Qwen3MoeConfig, "llama": transformers.LlamaConfig}
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, **config}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(kinds[family](vocab_size=32, **small))
+    return find_blocks(model, None)
+
+
+def _experts_as_modules() -> list[nn.Module]:
+    """A mixture-of-experts layer that keeps each expert as its own module (an older layout)."""
+    block = nn.Module()
+    block.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+    return moe_layers([("model.layers.0", block)], 2)
+
+
+CASES.update(
+    {
+        "an expert_parallel that does not divide the data-parallel shard": (
+            lambda: CuboidStrategy(expert_parallel=3).layout.resolve(4),
+            LayoutError,
+            r"expert_parallel=3 must divide data_parallel_shard \(4\) x context_parallel \(1\) = 4",
+        ),
+        "expert parallel composed with tensor, pipeline or context parallel": (
+            lambda: CuboidStrategy(expert_parallel=2, tensor_parallel=2).layout.resolve(4),
+            LayoutError,
+            r"expert_parallel=2 with tensor_parallel=2 is not supported yet",
+        ),
+        "an expert_parallel that does not divide the experts": (
+            lambda: expert_block(6, 4, 0),
+            ExpertParallelError,
+            r"expert_parallel=4 does not divide the 6 experts of each MoE layer.* divides 6",
+        ),
+        "expert parallel on a dense model": (
+            lambda: moe_layers(_moe_blocks("llama"), 2),
+            ExpertParallelError,
+            r"expert_parallel=2 but no block holds a mixture-of-experts layer.*leave expert_parallel=1",
+        ),
+        "a mixture-of-experts layer whose experts are separate modules": (
+            _experts_as_modules,
+            ExpertParallelError,
+            r"model.layers.0.experts \(ModuleList of 4 Linear\) holds its experts as separate modules",
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -24,6 +24,8 @@ PUBLIC = [
     "cuboid.PlanError",
     "cuboid.PipelineError",
     "cuboid.ContextParallelError",
+    "cuboid.ExpertParallelError",
+    "cuboid.experts.distribute_experts",
     "cuboid.context.ContextParallel",
     "cuboid.CheckpointError",
     "cuboid.PretrainedError",
@@ -58,11 +60,12 @@ FLOORS = {
     "step": 1,
     "parallel": 2,
     "context": 2,
+    "experts": 1,
     "pipeline": 3,
     "job": 3,
     "planning": 4,
 }
-WINGS = ("parallel", "context", "pipeline", "checkpoint", "job", "step", "planning")
+WINGS = ("parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning")
 
 
 def _resolve(dotted: str) -> object:

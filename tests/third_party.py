@@ -15,10 +15,14 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
 
-FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied")
+FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf_qwen3_moe", "hf_mixtral")
+# Mixture-of-experts families: their loss adds the router's load-balancing loss (output_router_logits), which is
+# not linear in the batch, so data-parallel training's loss is the mean of the ranks' own (see reference_run).
+MOE = ("hf_qwen3_moe", "hf_mixtral")
 # Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
 # test_pipeline_hf assert both).
-CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75}
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
+        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -48,6 +52,17 @@ def hf_config(family: str):
     if family == "hf_qwen3":
         return transformers.Qwen3Config(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **small
+        )
+    # 4 experts, top-2, every layer sparse, the load-balancing loss in .loss at a weight where it matters
+    moe = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+    if family == "hf_qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
+            moe_intermediate_size=32, norm_topk_prob=True, **moe, **small,
+        )  # fmt: skip
+    if family == "hf_mixtral":
+        return transformers.MixtralConfig(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, **moe, **small
         )
     if family == "hf_vit":
         return transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **small)
@@ -177,13 +192,14 @@ def reference_run(
     """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
     :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
     of the ``dp`` ranks' own token means (each rank's share of the global batch, as Lightning's sampler deals it):
-    what data-parallel training computes when the ranks predict different numbers of tokens."""
+    what data-parallel training computes when the ranks predict different numbers of tokens. The same for the
+    mixture-of-experts families at any ``dp``: their load-balancing loss is each rank's own batch's."""
     model = initial_model(family, meta_init)
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = dataset(family, padded=padded, seq=seq)
-    shares = dp if padded else 1
+    shares = dp if padded or family in MOE else 1
     losses, norms = [], []
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()

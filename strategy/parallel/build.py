@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from cuboid.checkpoint import pretrained as pretrained_weights
 from cuboid.parallel import materialize, plans
 from cuboid.parallel.mesh import fsdp_mesh
-from cuboid.parallel.parallelize import ACMode, Part, parallelize
+from cuboid.parallel.parallelize import ACMode, ExpertsLayout, Part, parallelize
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class ParallelSettings:
     compile: bool = False
     reshard_after_forward: bool | int = True
     cpu_offload: bool = False
+    experts: ExpertsLayout | None = None  # expert parallel: the experts' split and their FSDP mesh
 
     @classmethod
     def on(cls, mesh: DeviceMesh, **kwargs: Any) -> ParallelSettings:
@@ -56,6 +57,7 @@ class ParallelSettings:
             compile=self.compile,
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
+            experts=self.experts,
         )
 
 

@@ -10,7 +10,7 @@ context-parallel peers the next nearest.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,8 +24,14 @@ DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = repli
 SHARD_CP_DIMS: tuple[str, str] = ("dp_shard", "cp")
 # Every name the mesh answers to: its dims, then the flattened views build_device_mesh adds (the aliases last).
 MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "dp_shard_cp", "data_parallel", "tensor_parallel")
-# Flattened views -> the dims they cover (what the global grad norm needs to tell replicas from shards).
-FLATTENED: dict[str, tuple[str, ...]] = {"dp": DP_DIMS, "dp_shard_cp": SHARD_CP_DIMS}
+# Flattened views -> the dims they cover (what the global grad norm needs to tell replicas from shards). The
+# expert-parallel mesh (build_ep_meshes) splits dp_shard x cp into "efsdp" x "ep": both cover those two dims.
+FLATTENED: dict[str, tuple[str, ...]] = {
+    "dp": DP_DIMS,
+    "dp_shard_cp": SHARD_CP_DIMS,
+    "efsdp": SHARD_CP_DIMS,
+    "ep": SHARD_CP_DIMS,
+}
 
 
 class LayoutError(ValueError):
@@ -34,13 +40,15 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the five mesh dimensions. ``dp_shard="auto"`` fills the rest of the world."""
+    """Sizes of the five mesh dimensions. ``dp_shard="auto"`` fills the rest of the world. ``ep``: the ranks each
+    MoE layer's experts are split over, borrowed from ``dp_shard x cp`` (not a dimension of its own)."""
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int | Literal["auto"] = "auto"
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def resolve(self, world_size: int) -> Layout:
         """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""
@@ -58,7 +66,7 @@ class Layout:
                     f"does not divide the world size {world_size}. Choose sizes whose product divides "
                     f"{world_size} (devices x num_nodes)."
                 )
-            return Layout(self.pp, self.dp_replicate, world_size // fixed, self.tp, self.cp)
+            return replace(self, dp_shard=world_size // fixed).resolve(world_size)
         if not isinstance(self.dp_shard, int) or isinstance(self.dp_shard, bool) or self.dp_shard < 1:
             raise LayoutError(f"data_parallel_shard must be a positive integer or 'auto', got {self.dp_shard!r}.")
         if fixed * self.dp_shard != world_size:
@@ -68,7 +76,29 @@ class Layout:
                 f"processes, but the world size (devices x num_nodes) is {world_size}. Change one size so the "
                 f"product is {world_size}, or set data_parallel_shard='auto'."
             )
+        self._check_ep()
         return self
+
+    def _check_ep(self) -> None:
+        assert isinstance(self.dp_shard, int)
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise LayoutError(f"expert_parallel must be a positive integer, got {self.ep!r}.")
+        if self.ep == 1:
+            return
+        within = self.dp_shard * self.cp
+        if within % self.ep:
+            raise LayoutError(
+                f"expert_parallel={self.ep} must divide data_parallel_shard ({self.dp_shard}) x context_parallel "
+                f"({self.cp}) = {within}: experts are split over ranks that read different data. Choose an "
+                f"expert_parallel that divides {within}, or a larger data_parallel_shard."
+            )
+        others = {"pipeline_parallel": self.pp, "tensor_parallel": self.tp, "context_parallel": self.cp}
+        composed = [f"{name}={size}" for name, size in others.items() if size > 1]
+        if composed:
+            raise LayoutError(
+                f"expert_parallel={self.ep} with {', '.join(composed)} is not supported yet: expert parallel runs "
+                "over data-parallel ranks only (FSDP and HSDP). Set those to 1, or expert_parallel=1."
+            )
 
     @property
     def dp(self) -> int:
@@ -83,8 +113,9 @@ class Layout:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
-        """``pp=1 x dp_replicate=1 x dp_shard=4 x tp=2`` (``cp=`` only where it is above 1)."""
-        return " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True) if n != "cp" or s > 1)
+        """``pp=1 x dp_replicate=1 x dp_shard=4 x tp=2`` (``cp=`` only where it is above 1; ``, ep=N`` likewise)."""
+        dims = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True) if n != "cp" or s > 1)
+        return dims + (f", experts over ep={self.ep}" if self.ep > 1 else "")
 
 
 _ARG_NAMES = {
@@ -110,6 +141,19 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     flatten_mesh(mesh[DP_DIMS], "data_parallel")
     flatten_mesh(mesh["tp"], "tensor_parallel")
     return mesh, dp_mesh
+
+
+def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """The meshes expert parallel uses: ``dp_shard x cp`` split into ``efsdp x ep`` (the ``ep`` ranks innermost),
+    one more ``DeviceMesh`` over the same ranks (torchtitan borrows EP from the same dims). Returns the 1-D ``ep``
+    mesh, over which each MoE layer's experts are split, and the mesh FSDP shards the experts over: ``efsdp``, the
+    ranks holding the same experts (with ``dp_replicate`` for HSDP)."""
+    pp, dp_replicate, dp_shard, cp, tp = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(pp, dp_replicate, dp_shard * cp // ep, ep, tp)
+    names = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+    root = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    experts_fsdp = root["dp_replicate", "efsdp"] if dp_replicate > 1 else root["efsdp"]
+    return root["ep"], experts_fsdp
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

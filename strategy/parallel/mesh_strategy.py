@@ -5,7 +5,7 @@ the collectives Lightning asks a strategy for. :class:`cuboid.CuboidStrategy` bu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from cuboid import compat
+from cuboid.step.precision import CuboidPrecision
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
 
 
 class MeshStrategy(ParallelStrategy):
@@ -28,6 +32,21 @@ class MeshStrategy(ParallelStrategy):
     _device_mesh: DeviceMesh | None = None
     _dp_mesh: DeviceMesh | None = None
     _process_group_backend: str | None = None
+
+    @property
+    @override
+    def precision_plugin(self) -> CuboidPrecision:
+        if not isinstance(self._precision_plugin, CuboidPrecision):
+            self._precision_plugin = CuboidPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands a third-party strategy an autocast/casting plugin; keep its precision name only.
+        if plugin is None or isinstance(plugin, CuboidPrecision):
+            self._precision_plugin = plugin
+        else:
+            self._precision_plugin = CuboidPrecision(str(plugin.precision))
 
     # ------------------------------------------------------------------ layout and mesh
     @property

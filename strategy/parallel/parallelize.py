@@ -1,8 +1,9 @@
 """Where each parallelism is applied, one function each, in one visible order (torchtitan style).
 
-:func:`parallelize` runs, per model: tensor parallel (:func:`apply_tp`), activation
-checkpointing (:func:`apply_ac`), ``torch.compile`` (:func:`apply_compile`), then FSDP2
-(:func:`apply_fsdp`) per block and on each root module, with explicit forward/backward prefetch.
+:func:`parallelize` runs, per model: tensor parallel (:func:`apply_tp`), expert parallel (:func:`apply_ep`),
+activation checkpointing (:func:`apply_ac`), ``torch.compile`` (:func:`apply_compile`), then FSDP2
+(:func:`apply_fsdp`) per block (each MoE layer's experts first) and on each root module, with explicit
+forward/backward prefetch.
 None of these change parameter names (FQNs), so checkpoints read the same on any layout.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -23,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
+from cuboid.experts import ExpertParallelError, distribute_experts, experts_modules
 
 ACMode = Literal["full", "selective"]
 
@@ -144,14 +148,60 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:
 Part = tuple[nn.Module, Sequence[tuple[str, nn.Module]]]  # (root, its blocks): a model, or a pipeline stage
 
 
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Where the experts of MoE layers go: split over ``ep_mesh``, FSDP over ``fsdp_mesh`` (the ranks holding the
+    same experts), their gradients divided by ``dp`` (every data-parallel rank's tokens reach them)."""
+
+    ep_mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh
+    dp: int
+
+
+def moe_layers(blocks: Sequence[tuple[str, nn.Module]], ep: int) -> list[nn.Module]:
+    """The packed experts modules of ``blocks`` that expert parallel splits; a clear error for a dense model and for
+    experts kept in a layout Cuboid does not know (a list of per-expert modules)."""
+    found: list[nn.Module] = []
+    unknown: list[str] = []
+    for block_name, block in blocks:
+        found += [m for _, m in experts_modules(block)]
+        unknown += [
+            f"{block_name}.{name} ({type(m).__name__} of {len(m)} {type(next(iter(m.children()))).__name__})"
+            for name, m in block.named_modules()
+            if name.rsplit(".", 1)[-1] == "experts" and isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)
+        ]
+    if unknown:
+        raise ExpertParallelError(
+            f"expert_parallel={ep}: {unknown[0]} holds its experts as separate modules, a mixture-of-experts layout "
+            "Cuboid cannot split. It splits packed experts (num_experts, gate_up_proj or up_proj, and down_proj with "
+            "the experts on dim 0), as transformers 5 and cuboid.models.moe keep them: use such a model, or "
+            "expert_parallel=1."
+        )
+    if not found:
+        raise ExpertParallelError(
+            f"expert_parallel={ep} but no block holds a mixture-of-experts layer (packed experts: num_experts and "
+            "gate_up_proj/up_proj and down_proj with the experts on dim 0, as transformers 5 and cuboid.models.moe "
+            "keep them). For a dense model, leave expert_parallel=1."
+        )
+    return found
+
+
+def apply_ep(blocks: Sequence[tuple[str, nn.Module]], experts: ExpertsLayout) -> None:
+    """Split the packed experts of every MoE layer in ``blocks`` over ``experts.ep_mesh`` (``cuboid.experts``)."""
+    for module in moe_layers(blocks, experts.ep_mesh.size()):
+        distribute_experts(module, experts.ep_mesh)
+
+
 def apply_fsdp(
     parts: Sequence[Part],
     dp_mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    experts: ExpertsLayout | None = None,
 ) -> None:
-    """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather.
+    """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather. Under expert
+    parallel each MoE layer's experts get their own FSDP unit first, over ``experts.fsdp_mesh``.
 
     Each block's parameters are all-gathered right before its forward and freed after it
     (``reshard_after_forward=True``; the last block stays gathered until its backward, which follows at
@@ -166,6 +216,13 @@ def apply_fsdp(
             # The last block's backward comes right after its forward (only the head's lies between): resharding
             # it would free its parameters only to gather them again at once (torchtitan keeps it gathered too).
             last = i == len(blocks) - 1 and reshard_after_forward is True
+            for _, module in experts_modules(block) if experts is not None else ():
+                fully_shard(module, mesh=experts.fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+                module.set_gradient_divide_factor(float(experts.dp))  # type: ignore[operator]
+                if dist.get_backend() == "gloo" and experts.fsdp_mesh.size(experts.fsdp_mesh.ndim - 1) > 1:
+                    # gloo has no PREMUL_SUM: reduce-scatter by SUM, then divide. (Not over one rank, where torch
+                    # 2.13's FSDP would divide twice.)
+                    module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
             shard(block, reshard_after_forward=False if last else reshard_after_forward)
         shard(root)
         sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
@@ -186,18 +243,22 @@ def parallelize(
     compile: bool,
     reshard_after_forward: bool | int,
     cpu_offload: bool,
+    experts: ExpertsLayout | None = None,
 ) -> None:
-    """Apply TP -> AC -> compile -> FSDP2, in that order: tensor parallel first (DTensor parameters), then
-    checkpointing and compilation of the sharded blocks, FSDP2 last (it shards whatever TP left).
+    """Apply TP -> EP -> AC -> compile -> FSDP2, in that order: tensor parallel first (DTensor parameters), then
+    the experts' split, checkpointing and compilation of the sharded blocks, FSDP2 last (it shards whatever TP and
+    EP left).
 
     ``tp_plan`` names modules relative to ``tp_root``; ``parts`` are the FSDP roots with their blocks.
     """
     apply_tp(tp_root, tp_mesh, tp_plan)
     blocks = [b for _, part_blocks in parts for b in part_blocks]
+    if experts is not None:
+        apply_ep(blocks, experts)
     apply_ac(blocks, activation_checkpointing)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload)
+    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload, experts)
 
 
 def check_no_fsdp1(module: nn.Module) -> None:

@@ -66,7 +66,7 @@ def test_default_job_logs_true_values_to_one_offline_wandb_run(tmp_path: Path) -
     assert len(runs) == 1, runs  # one run per job, not one per rank
     records = read_records(next(runs[0].glob("run-*.wandb")))
     cfg, rows = config(records), history(records)
-    assert cfg["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    assert cfg["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}
     assert cfg["world_size"] == 2 and cfg["strategy"]["_target_"] == "cuboid.CuboidStrategy"
     losses = {r["trainer/global_step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert sorted(losses) == list(range(12))
@@ -255,7 +255,14 @@ def test_slurm_environment_two_nodes_by_two_tasks(tmp_path: Path) -> None:
     assert not failed, "\n".join(failed)
     s = summary(tmp_path / "run")
     assert s["cluster_environment"] == "SLURMEnvironment"
-    assert s["world_size"] == 4 and s["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert s["world_size"] == 4 and s["layout"] == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+        "ep": 1,
+    }
     assert [(r["global"], r["local"], r["node"]) for r in s["ranks"]] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     assert {r["pid"] for r in s["ranks"]} == {p.pid for p in procs}  # no process spawned besides SLURM's
     assert {r["ppid"] for r in s["ranks"]} == {os.getpid()}
@@ -322,7 +329,7 @@ def test_3d_preset_validates_like_one_process_and_trains(tmp_path: Path) -> None
         timeout=600,
     )
     s = summary(tmp_path / "run")
-    assert s["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert s["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1}
     assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-5)
     train(
         tmp_path,

@@ -1,0 +1,94 @@
+"""Cuboid's Llama and Hugging Face's ``LlamaForCausalLM``: parameter names, ``config.json`` contents, and the
+check that a ``config.json`` describes the same model (for ``pretrained=`` and the export)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from cuboid.models.llama import LlamaConfig
+
+
+# Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside. The weights
+# themselves are laid out alike (rotate-half rotary pairs), so the names are the whole mapping.
+_HF_BLOCK_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_HF_OTHER_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names (relative to :class:`Llama`)."""
+    if name in _HF_OTHER_NAMES:
+        return _HF_OTHER_NAMES[name]
+    _, index, suffix = name.split(".", 2)  # layers.<i>.<suffix>
+    return f"model.layers.{index}.{_HF_BLOCK_NAMES[suffix]}"
+
+
+def hf_config(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` contents of the Hugging Face ``LlamaForCausalLM`` equal to ``cfg``."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    if cfg.rope_scaling is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    return config
+
+
+def check_hf_config(cfg: LlamaConfig, config: dict) -> list[str]:
+    """Where a Hugging Face ``config.json`` describes another model than ``cfg`` (empty when they agree)."""
+    ours = hf_config(cfg)
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theirs = {**config, "rope_theta": config.get("rope_theta", scaling.get("rope_theta"))}
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rope_theta", "tie_word_embeddings", "rms_norm_eps"]  # fmt: skip
+    wrong = [f"{k}: {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys if k in theirs and theirs[k] != ours[k]]
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling.get("factor")
+        if factor != cfg.rope_scaling:
+            wrong.append(f"rope scaling factor: {factor!r} there, {cfg.rope_scaling!r} here")
+    elif cfg.rope_scaling is not None:
+        wrong.append(f"rope scaling: none there, llama3 x{cfg.rope_scaling} here")
+    return wrong
+
+
+def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Our Llama's weights (names relative to the model) as a Hugging Face ``LlamaForCausalLM`` state dict, plus
+    the matching ``config.json`` contents. A tied output head is left out, as Hugging Face saves it."""
+    skip = {"output.weight"} if cfg.tie_embeddings else set()
+    return {hf_name(name): tensor for name, tensor in state.items() if name not in skip}, hf_config(cfg)

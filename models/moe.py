@@ -1,0 +1,83 @@
+"""A mixture-of-experts feed-forward for Cuboid's Llama (``LlamaConfig(n_experts=E)``): a top-k softmax router,
+packed experts (SwiGLU, ``gate_up_proj``: experts x 2·ffn x dim, ``down_proj``: experts x dim x ffn, the layout
+transformers 5 keeps), an optional shared expert, and the load-balancing loss of the Switch Transformer.
+
+Plain PyTorch, no parallelism: ``cuboid.experts`` splits the packed experts over ranks and replaces the experts'
+``forward`` (same signature as transformers' experts implementations) with its all-to-all exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    """Softmax over the experts, the top ``k`` chosen per token, their weights renormalised to sum to 1."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``(tokens, dim)`` -> (router probabilities ``(tokens, E)``, top-k weights, top-k expert ids)."""
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        return probs, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), index
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts in two packed parameters; ``forward`` runs each chosen (token, expert) pair
+    and sums a token's k results weighted by the router (an exact loop over the experts that got tokens)."""
+
+    has_gate, has_bias, is_transposed, has_post_expert_norm = True, False, False, False
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.num_experts = n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def act_fn(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        pairs = torch.zeros(top_k_index.numel(), x.shape[-1], dtype=x.dtype, device=x.device)
+        flat = top_k_index.reshape(-1)
+        for e in range(self.num_experts):
+            rows = (flat == e).nonzero().squeeze(-1)
+            h = self._apply_gate(F.linear(x[torch.div(rows, top_k_index.shape[-1], rounding_mode="floor")],
+                                          self.gate_up_proj[e]))  # fmt: skip
+            pairs = pairs.index_copy(0, rows, F.linear(h, self.down_proj[e]))
+        weighted = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+        return weighted.view(*top_k_index.shape, -1).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: routed experts (+ a shared expert). After each forward, ``aux_loss`` holds
+    this call's load-balancing loss ``E · sum_e f_e · P_e`` (``f_e``: fraction of the chosen pairs that went to
+    expert ``e``; ``P_e``: its mean router probability), which the LM adds to its loss, weighted."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.router = Router(dim, n_experts, top_k)
+        self.experts = Experts(dim, hidden, n_experts)
+        self.shared_expert = shared
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs, weights, index = self.router(flat)
+        out = self.experts(flat, index, weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        n = probs.shape[-1]
+        chosen = torch.zeros_like(probs).scatter_(1, index, 1.0).mean(dim=0) / index.shape[-1]
+        self.aux_loss = n * (chosen * probs.mean(dim=0)).sum()
+        return out.view_as(x)

@@ -1,0 +1,19 @@
+"""The expert-parallel wing: the experts of every mixture-of-experts layer split over ranks, each chosen
+(token, expert) pair sent to the rank holding its expert and back (all-to-alls with uneven splits), the router
+left as the model defines it."""
+
+from cuboid.experts.dispatch import ExpertParallelError, Routed, combine, dispatch, expert_block
+from cuboid.experts.hf import distribute_experts, ep_experts_forward, experts_modules, local_experts, shard_experts
+
+__all__ = [
+    "ExpertParallelError",
+    "Routed",
+    "combine",
+    "dispatch",
+    "distribute_experts",
+    "ep_experts_forward",
+    "expert_block",
+    "experts_modules",
+    "local_experts",
+    "shard_experts",
+]

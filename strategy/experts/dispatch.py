@@ -1,0 +1,110 @@
+"""Expert parallel's token exchange: every (token, expert) pair that a router chose goes to the rank that holds
+that expert, and its result comes back, through two all-to-alls with uneven splits (gloo and NCCL take both).
+
+Experts are split in contiguous blocks over the ``ep`` ranks of a group: rank ``r`` holds experts
+``[r * E / ep, (r + 1) * E / ep)``. A pair whose expert index is ``E`` or more (transformers' sentinel for a pair
+dropped by capacity or masked) goes nowhere and adds nothing.
+
+One host sync per MoE layer and forward: the pair counts are exchanged first (a small all-to-all) and read back,
+because the token all-to-all needs its splits on the host. The backward reuses them: no sync there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of rows with uneven splits; its backward is the reverse exchange. (torch's own
+    autograd wrapper, ``torch.distributed.nn.functional.all_to_all_single``, is deprecated for a private one.)"""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _AllToAll.apply(grad.contiguous(), ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Send ``send[r]`` consecutive rows to each rank ``r`` and receive ``recv[r]`` from each (differentiable)."""
+    return _AllToAll.apply(rows, recv, send, group)
+
+
+class ExpertParallelError(ValueError):
+    """An expert-parallel layout that cannot work: named sizes, and what to do."""
+
+
+def expert_block(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """The experts ``[start, stop)`` that ep rank ``rank`` holds of ``num_experts`` split over ``ep`` ranks."""
+    if ep <= 0 or num_experts % ep:
+        raise ExpertParallelError(
+            f"expert_parallel={ep} does not divide the {num_experts} experts of each MoE layer: every rank must hold "
+            f"the same number. Use an expert_parallel that divides {num_experts}."
+        )
+    per = num_experts // ep
+    return rank * per, (rank + 1) * per
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What ``dispatch`` sent, kept to bring the results back (``combine``)."""
+
+    order: torch.Tensor  # the valid pairs (indices into top_k_index.reshape(-1)), sorted by expert: the send order
+    pairs: int  # num_tokens * top_k
+    send_splits: list[int]  # pairs sent to each ep rank
+    recv_splits: list[int]  # pairs received from each ep rank
+    regroup: torch.Tensor  # received rows -> grouped by local expert (source ranks in order within an expert)
+    group: dist.ProcessGroup
+
+
+def dispatch(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, list[int], Routed]:
+    """Send each chosen (token, expert) pair's hidden state to the rank holding the expert.
+
+    ``hidden``: ``(tokens, hidden)``; ``top_k_index``: ``(tokens, k)`` global expert ids. Returns the rows this rank
+    must compute, grouped by its local experts in order, how many rows each local expert has, and the routing to
+    undo it."""
+    ep = dist.get_world_size(group)
+    per = expert_block(num_experts, ep, 0)[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat < num_experts], minlength=num_experts)  # pairs per global expert
+    recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    host = torch.cat([counts, recv_counts]).tolist()  # the one host sync: the splits below live on the host
+    send_counts, received = host[:num_experts], host[num_experts:]
+    send_splits = [sum(send_counts[r * per : (r + 1) * per]) for r in range(ep)]
+    recv_splits = [sum(received[s * per : (s + 1) * per]) for s in range(ep)]
+    order = order[: sum(send_splits)]  # sentinels sort last and are left out
+    rows = hidden.index_select(0, torch.div(order, top_k_index.shape[-1], rounding_mode="floor"))
+    got = exchange(rows, recv_splits, send_splits, group)
+    # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> [expert 0: source 0, source 1, ...]
+    starts, at = [], 0
+    for s in range(ep):
+        for e in range(per):
+            starts.append((e, s, at, received[s * per + e]))
+            at += received[s * per + e]
+    segments = [torch.arange(a, a + n) for _, _, a, n in sorted(starts)]
+    regroup = torch.cat(segments).to(hidden.device) if segments else torch.zeros(0, dtype=torch.long)
+    local_counts = [sum(received[s * per + e] for s in range(ep)) for e in range(per)]
+    routed = Routed(order, flat.numel(), send_splits, recv_splits, regroup, group)
+    return got.index_select(0, regroup), local_counts, routed
+
+
+def combine(results: torch.Tensor, top_k_weights: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """Bring each pair's expert output back to its token's rank, weight it, and sum each token's k pairs (in pair
+    order, as transformers' grouped implementation does). Returns ``(tokens, hidden)``."""
+    back = torch.empty_like(results).index_copy(0, routed.regroup, results)  # undo the regrouping
+    mine = exchange(back, routed.send_splits, routed.recv_splits, routed.group)
+    weights = top_k_weights.reshape(-1).index_select(0, routed.order).unsqueeze(-1)
+    pairs = mine.new_zeros(routed.pairs, mine.shape[-1]).index_copy(0, routed.order, mine * weights.to(mine.dtype))
+    return pairs.view(top_k_weights.shape[0], top_k_weights.shape[-1], -1).sum(dim=1)

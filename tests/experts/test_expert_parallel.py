@@ -1,0 +1,108 @@
+"""Expert parallel trains like one process: transformers Qwen3-MoE and Mixtral (4 experts, top-2, the
+load-balancing loss in ``.loss``, clipping on some steps) at ep2 (dp_shard=2, each rank holding 2 experts), Qwen3-MoE
+at ep2 inside dp_shard=4 (the experts' FSDP over the 2 ranks holding the same experts) and ep2 x HSDP2. The
+LightningModule is the suite's usual ``third_party.HFModule``, unchanged. Checkpoints move between ep2 and ep1 both
+ways. The one parity bound (1e-5).
+
+The single-process reference is the mean of the data-parallel ranks' own losses (``third_party.reference_run``):
+the load-balancing loss is each batch's own, so that is what data-parallel training computes at any ``dp``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import third_party
+import torch
+from harness import ROOT, WORKERS, run_checked, torchrun
+from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
+
+STEPS = 6  # of the epoch's 12
+EP2 = {"expert_parallel": 2}
+RUNS: dict[str, tuple[int, dict]] = {
+    "hf_qwen3_moe-ep2": (2, {"model": "hf_qwen3_moe", "strategy": EP2}),
+    "hf_mixtral-ep2": (2, {"model": "hf_mixtral", "strategy": EP2}),
+    "hf_qwen3_moe-ep2-in-dp_shard4": (4, {"model": "hf_qwen3_moe", "strategy": EP2}),
+    "hf_qwen3_moe-ep2xhsdp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "data_parallel_replicate": 2}}),
+}
+QWEN = {"model": "hf_qwen3_moe", "clip": third_party.clip("hf_qwen3_moe")}
+SAVE = {**QWEN, "max_steps": 7, "save_every": 6}
+TABLE: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+    out = tmp_path_factory.mktemp("ep")
+    ckpt = [
+        {"name": "ep2-save", "strategy": EP2, **SAVE, "save_dir": str(out / "ep2")},
+        {"name": "dp2-from-ep2", "strategy": {}, **QWEN, "resume_from": str(out / "ep2" / "step=6.ckpt")},
+        {"name": "dp2-save", "strategy": {}, **SAVE, "save_dir": str(out / "dp2")},
+        {"name": "ep2-from-dp2", "strategy": EP2, **QWEN, "resume_from": str(out / "dp2" / "step=6.ckpt")},
+    ]
+    for world in (2, 4):
+        specs = [
+            {"name": name, "max_steps": STEPS, "clip": third_party.clip(spec["model"]), **spec}
+            for name, (w, spec) in RUNS.items()
+            if w == world
+        ]
+        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt if world == 2 else [])))
+    yield {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
+    print("\nexpert parallel parity (max relative loss error, max absolute parameter error):")
+    for name, (rel, err) in TABLE.items():
+        print(f"  {name:30s} {rel:.1e} {err:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_expert_parallel_matches_single_process(name: str, results) -> None:
+    world, spec = RUNS[name]
+    family = spec["model"]
+    limit = third_party.clip(family)
+    ref = third_party.reference_run(family, dp=world, steps=STEPS, max_norm=limit)
+    clipped = [n > limit for n in ref.grad_norms]
+    assert any(clipped) and not all(clipped), (name, ref.grad_norms)  # clipping is exercised, both ways
+    got = results[name]
+    assert len(got["losses"]) == STEPS
+    rel, err = parity_errors(got, ref)
+    TABLE[name] = (rel, err)
+    assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
+    assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+    # The experts are split over ep: each rank holds 2 of the 4 experts of every layer (then FSDP over efsdp).
+    for facts in got["ranks"]:
+        experts = {k: v for k, v in facts["placements"].items() if k.endswith(("gate_up_proj", "down_proj"))}
+        assert experts and all("ep" in dims for dims, *_ in experts.values()), experts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "saved"), [("dp2-from-ep2", "ep2-save"), ("ep2-from-dp2", "dp2-save")])
+def test_checkpoints_move_between_ep2_and_ep1(name: str, saved: str, results) -> None:
+    """A checkpoint saved at ep2 (each rank its experts) resumes at ep1 (plain FSDP) and the reverse: the resumed
+    steps equal the uninterrupted reference's."""
+    ref = third_party.reference_run("hf_qwen3_moe", dp=2, max_norm=QWEN["clip"])
+    assert parity_errors(results[saved], ref, slice(0, 7))[0] <= LOSS_RTOL
+    rel, err = parity_errors(results[name], ref, slice(6, None))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, rel, err)
+
+
+@pytest.mark.slow
+def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) -> None:
+    """``python scripts/train.py model=moe_debug strategy.expert_parallel=2``: Cuboid's Llama with 4 experts per
+    block (top-2, a shared expert, the load-balancing loss in the training loss) on 2 processes, each holding 2
+    experts, trains step for step as the same job with every expert on every rank (FSDP only)."""
+    common = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4",
+              "model=moe_debug", "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.log_every_n_steps=1",
+              "trainer.enable_progress_bar=false", "logger=none"]  # fmt: skip
+    runs = {}
+    for ep in (1, 2):
+        run = tmp_path / f"ep{ep}"
+        cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), *common, f"strategy.expert_parallel={ep}"]
+        run_checked([*cmd, f"hydra.run.dir={run}"], timeout=300, cwd=tmp_path)
+        runs[ep] = json.loads((run / "summary.json").read_text())
+    assert (runs[1]["layout"]["ep"], runs[2]["layout"]["ep"], runs[2]["world_size"]) == (1, 2, 2), runs[2]["layout"]
+    assert len(runs[2]["losses"]) == 6
+    assert runs[2]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-5)
+    assert runs[2]["val_ppl"] == pytest.approx(runs[1]["val_ppl"], rel=1e-5)
