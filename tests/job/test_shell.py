@@ -226,49 +226,6 @@ def slurm_env(rank: int, nodes: int = 2, per_node: int = 2, port: int = 0, ntask
     )
 
 
-@pytest.mark.slow
-def test_slurm_environment_two_nodes_by_two_tasks(tmp_path: Path) -> None:
-    """Four local processes with the variables SLURM sets for --nodes=2 --ntasks-per-node=2."""
-    port = free_port()
-    args = [
-        sys.executable,
-        TRAIN,
-        f"data.cache_dir={tmp_path / 'cache'}",
-        *SMALL,
-        "trainer.num_nodes=2",
-        "trainer.devices=2",
-        "strategy=fsdp_tp",
-        "trainer.max_steps=4",
-        "trainer.val_check_interval=4",
-        "trainer.log_every_n_steps=1",
-        "logger=csv",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    procs = [
-        subprocess.Popen(
-            args, cwd=tmp_path, env=slurm_env(r, port=port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for r in range(4)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    failed = [f"rank {r}:\n{out[-3000:]}" for r, (p, out) in enumerate(zip(procs, outs, strict=True)) if p.returncode]
-    assert not failed, "\n".join(failed)
-    s = summary(tmp_path / "run")
-    assert s["cluster_environment"] == "SLURMEnvironment"
-    assert s["world_size"] == 4 and s["layout"] == {
-        "pp": 1,
-        "dp_replicate": 1,
-        "dp_shard": 2,
-        "cp": 1,
-        "tp": 2,
-        "ep": 1,
-    }
-    assert [(r["global"], r["local"], r["node"]) for r in s["ranks"]] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    assert {r["pid"] for r in s["ranks"]} == {p.pid for p in procs}  # no process spawned besides SLURM's
-    assert {r["ppid"] for r in s["ranks"]} == {os.getpid()}
-    assert s["steps"] == 4 and s["last_loss"] < s["first_loss"]
-
-
 def test_slurm_task_count_that_does_not_match_nodes_fails_clearly(tmp_path: Path) -> None:
     args = [
         sys.executable,
@@ -400,46 +357,6 @@ def test_prepare_data_with_a_model_tokenizer_writes_its_token_ids(tmp_path: Path
     from cuboid.data import load_tokens
 
     assert load_tokens(out).tolist() == expected and json.loads(Path(f"{out}.json").read_text())["dtype"] == "uint32"
-
-
-@pytest.mark.slow
-def test_main_job_preempted_mid_run_resumes_its_curve_and_its_wandb_run(tmp_path: Path) -> None:
-    """The main job as SLURM would treat it: SIGUSR1 (``--signal=USR1@120``) to rank 0 after the step-4
-    checkpoint; it saves ``preempted-step=N.ckpt`` and exits 0; the same command again (``ckpt_path: auto``)
-    resumes there and logs to the same W&B run; its losses and final validation equal an uninterrupted run's."""
-    import signal
-
-    steps = ["trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.log_every_n_steps=1",
-             "trainer.enable_progress_bar=false"]  # fmt: skip
-    train(tmp_path, *steps, f"hydra.run.dir={tmp_path / 'whole'}")
-    whole = summary(tmp_path / "whole")
-    run = tmp_path / "run"
-    cmd = [sys.executable, TRAIN, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *steps, f"hydra.run.dir={run}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    deadline = time.time() + 240
-    while not list((run / "checkpoints").glob("*step=4.ckpt")) and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGUSR1)  # rank 0: Lightning's launcher runs it in the process it was started as
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-4000:]
-    saved = list((run / "checkpoints").glob("preempted-step=*.ckpt"))
-    assert len(saved) == 1, out[-4000:]
-    n = int(saved[0].name.split("=")[1].split(".")[0])
-    assert 4 <= n < 12
-    assert not (run / "summary.json").exists()  # the job stopped inside fit (SIGTERMException, exit code 0)
-    out = train(tmp_path, *steps, f"hydra.run.dir={run}")
-    assert f"resuming from {saved[0]}" in out
-    second = summary(run)
-    assert second["steps"] == 12
-    assert second["losses"] == pytest.approx(whole["losses"][n:], rel=1e-5)
-    assert second["val_ppl"] == pytest.approx(whole["val_ppl"], rel=1e-5)
-    runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in runs}) == 1, runs  # one W&B run id
-    logged = {r["trainer/global_step"]: r["train/loss"] for r in history(read_records(next(runs[0].glob("*.wandb"))))
-              if "train/loss" in r}  # fmt: skip
-    assert sorted(logged) == list(range(n)), (n, sorted(logged))
-    assert [logged[step] for step in range(n)] == pytest.approx(whole["losses"][:n], rel=1e-5)  # the first start
 
 
 @pytest.mark.slow
