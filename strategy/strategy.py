@@ -99,8 +99,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         pretrained: Submodule -> weights to fill it with after sharding, e.g. ``{"model": "/ckpt/Llama-3.1-8B"}``: a
             Hugging Face directory, a ``.safetensors`` file or a Cuboid checkpoint. Build the submodule on meta and
             each rank reads only its slices; a mismatch stops setup before anything is loaded (``None`` ignored).
-        preempt_on: Signals on which every rank saves one checkpoint after the same step and stops; under SLURM
-            rank 0 then requeues the job. ``()``: a SIGTERM stops every rank without saving (``docs/cluster.md``).
+        preempt_on: Signals on which every rank saves one checkpoint after the same step and stops; under SLURM the
+            job is requeued (by the batch script once srun returns, where it sets ``CUBOID_REQUEUE_FILE``; else by
+            rank 0). ``()``: a SIGTERM stops every rank without saving (``docs/cluster.md``).
         nonfinite: ``"raise"``: a NaN/Inf loss or global gradient norm stops every rank before the optimizer step
             (:class:`cuboid.NonFiniteError`); ``"skip"``: that step is dropped on every rank. One host read per
             optimizer step; ``None`` (default) checks nothing.

@@ -119,6 +119,7 @@ def main() -> None:
         merged["splits"] = [w[1] for w in everyone]
         with open(sys.argv[1], "w") as f:
             json.dump(merged, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while another may still be in a collective
     dist.destroy_process_group()
 
 
