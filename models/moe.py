@@ -30,7 +30,7 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU experts in two packed parameters; ``forward`` runs each chosen (token, expert) pair
-    and sums a token's k results weighted by the router (an exact loop over the experts that got tokens)."""
+    and sums a token's k results weighted by the router (pairs sorted by expert, an exact loop over the experts)."""
 
     has_gate, has_bias, is_transposed, has_post_expert_norm = True, False, False, False
 
@@ -48,13 +48,18 @@ class Experts(nn.Module):
         return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        pairs = torch.zeros(top_k_index.numel(), x.shape[-1], dtype=x.dtype, device=x.device)
         flat = top_k_index.reshape(-1)
-        for e in range(self.num_experts):
-            rows = (flat == e).nonzero().squeeze(-1)
-            h = self._apply_gate(F.linear(x[torch.div(rows, top_k_index.shape[-1], rounding_mode="floor")],
-                                          self.gate_up_proj[e]))  # fmt: skip
-            pairs = pairs.index_copy(0, rows, F.linear(h, self.down_proj[e]))
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        binned = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat.device)
+        counts = binned.index_add_(0, flat.clamp(max=self.num_experts), torch.ones_like(flat))
+        sizes = counts[: self.num_experts].tolist()  # one host read per layer (a boolean mask per expert: E reads)
+        rows = x.index_select(0, torch.div(order, top_k_index.shape[-1], rounding_mode="floor"))
+        outs, start = [], 0
+        for e, n in enumerate(sizes):
+            h = self._apply_gate(F.linear(rows[start : start + n], self.gate_up_proj[e]))
+            outs.append(F.linear(h, self.down_proj[e]))
+            start += n
+        pairs = x.new_zeros(flat.numel(), x.shape[-1]).index_copy(0, order[:start], torch.cat(outs))
         weighted = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
         return weighted.view(*top_k_index.shape, -1).sum(dim=1)
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from cuboid.compat import should_accumulate
+from cuboid.experts.load import ExpertLoad, data_groups
 from cuboid.planning.ledger import CommLedger
 from cuboid.step.grad_norm import global_grad_norm
 
@@ -63,7 +64,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class CuboidMonitor(L.Callback):
     """Log ``train/grad_norm``, ``perf/tokens_per_s``, ``perf/flops_per_s``, ``perf/mfu`` (GPU with a
-    known peak) and ``perf/peak_mem_gb`` (max over ranks) every ``trainer.log_every_n_steps``.
+    known peak) and ``perf/peak_mem_gb`` (max over ranks) every ``trainer.log_every_n_steps``. On a
+    mixture-of-experts model, also the step's expert load (``moe/tokens_per_expert_max``, ``_mean``,
+    ``moe/load_imbalance``, ``moe/idle_experts``: :mod:`cuboid.experts.load`), counted on logging steps only.
 
     Token and FLOP counts come from the LightningModule's ``tokens_in_batch(batch)`` and
     ``flops_per_token(seq_len)`` when it has them (``cuboid.models.CausalLM`` does).
@@ -74,6 +77,18 @@ class CuboidMonitor(L.Callback):
         self._tokens = 0
         self._seq_len = 0
         self._pending_norm: torch.Tensor | None = None  # measured before the step when not clipping
+        self._load: ExpertLoad | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        load = ExpertLoad(pl_module)
+        self._load = load if len(load) else None
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._load is not None:
+            self._load.remove()
+            self._load = None
 
     @override
     def on_train_batch_start(
@@ -85,6 +100,13 @@ class CuboidMonitor(L.Callback):
         if count is not None and torch.is_tensor(batch):
             self._tokens += count(batch)
             self._seq_len = batch.shape[1] - 1
+        if self._load is not None:  # the forward passes of a step that logs (every microbatch of it)
+            self._load.on = self._log_now(trainer)
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._load is not None:  # an activation-checkpointing recompute in backward is not counted again
+            self._load.on = False
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -100,6 +122,8 @@ class CuboidMonitor(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._load is not None:
+            self._load.on = False
         if not should_accumulate(trainer) and self._log_now(trainer, after_step=True):
             self._log(trainer, pl_module)
 
@@ -139,4 +163,6 @@ class CuboidMonitor(L.Callback):
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
             self._pending_norm = None
+        if self._load is not None:
+            metrics.update(self._load.take(data_groups(strategy)) or {})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

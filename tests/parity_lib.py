@@ -85,6 +85,7 @@ class Reference:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    loads: list[torch.Tensor] | None = None  # mixture of experts: tokens per expert per step, (layers, experts)
 
 
 def reference_run(

@@ -200,7 +200,8 @@ def reference_run(
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = dataset(family, padded=padded, seq=seq)
     shares = dp if padded or family in MOE else 1
-    losses, norms = [], []
+    losses, norms, loads = [], [], []
+    routed = _count_routing(model) if family in MOE else None
     for epoch in range(epochs):
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         for k in range(len(data) // GLOBAL_BATCH if steps is None else steps):  # steps: the first batches only
@@ -211,9 +212,30 @@ def reference_run(
                 batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
                 loss = loss + hf_loss(model, batch) / shares
             loss.backward()
+            if routed is not None:  # this step's tokens per expert, from the routers' own choices
+                loads.append(torch.stack([c.clone() for c in routed]))
+                for c in routed:
+                    c.zero_()
             losses.append(loss.item())
             limit = clip(family, padded) if max_norm is None else max_norm
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)))
             opt.step()
             opt.zero_grad()
-    return Reference(losses, norms, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()})
+    params = {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+    return Reference(losses, norms, params, loads if routed is not None else None)
+
+
+def _count_routing(model: nn.Module) -> list[torch.Tensor]:
+    """Per MoE layer, a running count of the (token, expert) pairs its router chose (the router's third output,
+    the top-k expert ids, in Qwen3-MoE and Mixtral): an independent count for CuboidMonitor's load figures."""
+    counts = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            count = torch.zeros(module.weight.shape[0])
+
+            def hook(_module, _args, out, count=count) -> None:
+                count += torch.bincount(out[2].reshape(-1), minlength=count.numel()).float()
+
+            module.register_forward_hook(hook)
+            counts.append(count)
+    return counts

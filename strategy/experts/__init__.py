@@ -4,8 +4,10 @@ left as the model defines it."""
 
 from cuboid.experts.dispatch import ExpertParallelError, Routed, combine, dispatch, expert_block
 from cuboid.experts.hf import distribute_experts, ep_experts_forward, experts_modules, local_experts, shard_experts
+from cuboid.experts.load import ExpertLoad, load_figures
 
 __all__ = [
+    "ExpertLoad",
     "ExpertParallelError",
     "Routed",
     "combine",
@@ -14,6 +16,7 @@ __all__ = [
     "ep_experts_forward",
     "expert_block",
     "experts_modules",
+    "load_figures",
     "local_experts",
     "shard_experts",
 ]

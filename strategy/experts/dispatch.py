@@ -77,7 +77,10 @@ def dispatch(
     per = expert_block(num_experts, ep, 0)[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat[flat < num_experts], minlength=num_experts)  # pairs per global expert
+    # Pairs per global expert, dropped ones (id >= E) in an extra bin; index_add_ where bincount or a boolean mask
+    # would read the device back a second time on a GPU.
+    binned = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts = binned.index_add_(0, flat.clamp(max=num_experts), torch.ones_like(flat))[:num_experts].contiguous()
     recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
     dist.all_to_all_single(recv_counts, counts, group=group)
     host = torch.cat([counts, recv_counts]).tolist()  # the one host sync: the splits below live on the host

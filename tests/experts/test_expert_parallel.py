@@ -19,9 +19,10 @@ import pytest
 import third_party
 import torch
 from harness import ROOT, WORKERS, run_checked, torchrun
-from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
+from parity_lib import GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEQ, parity_errors
 
 STEPS = 6  # of the epoch's 12
+LOG_EVERY = 2  # CuboidMonitor logs (and counts expert load) on steps 0, 2 and 4
 EP2 = {"expert_parallel": 2}
 RUNS: dict[str, tuple[int, dict]] = {
     "hf_qwen3_moe-ep2": (2, {"model": "hf_qwen3_moe", "strategy": EP2}),
@@ -45,7 +46,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
     ]
     for world in (2, 4):
         specs = [
-            {"name": name, "max_steps": STEPS, "clip": third_party.clip(spec["model"]), **spec}
+            {"name": name, "max_steps": STEPS, "clip": third_party.clip(spec["model"]), "log_every": LOG_EVERY, **spec}
             for name, (w, spec) in RUNS.items()
             if w == world
         ]
@@ -106,3 +107,28 @@ def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) ->
     assert len(runs[2]["losses"]) == 6
     assert runs[2]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-5)
     assert runs[2]["val_ppl"] == pytest.approx(runs[1]["val_ppl"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_expert_load_is_logged_on_logging_steps_as_the_routers_chose(name: str, results) -> None:
+    """CuboidMonitor's ``moe/*`` figures, as the logger received them, on logging steps only; each equals the
+    figure computed from the single-process reference's own router choices (the same tokens, summed over the
+    data-parallel ranks that read them)."""
+    world, spec = RUNS[name]
+    ref = third_party.reference_run(spec["model"], dp=world, steps=STEPS, max_norm=third_party.clip(spec["model"]))
+    logged = {int(row["step"]): row for row in results[name]["logged"] if "moe/load_imbalance" in row}
+    assert len(logged) == len(range(0, STEPS, LOG_EVERY)), results[name]["logged"]
+    for (at, row), step in zip(sorted(logged.items()), range(0, STEPS, LOG_EVERY), strict=True):
+        counts = ref.loads[step]  # (layers, experts)
+        assert counts.sum() == 2 * GLOBAL_BATCH * (SEQ + 1) * counts.shape[0]  # top-2 of every token, every layer
+        mean = counts.mean(dim=1)
+        expected = {
+            "moe/tokens_per_expert_max": float(counts.max()),
+            "moe/tokens_per_expert_mean": float(mean.mean()),
+            "moe/load_imbalance": float((counts.max(dim=1).values / mean).max()),
+            "moe/idle_experts": float((counts == 0).sum()),
+        }
+        got = {k: row[k] for k in expected}
+        assert got == pytest.approx(expected, rel=1e-6), (name, step, at, got, expected)
+        assert got["moe/load_imbalance"] > 1.0  # routed unevenly

@@ -258,6 +258,14 @@ def run(spec: dict, out_dir: Path) -> None:
                 save_weights_only=spec.get("save_weights_only", False),
             )
         )
+    logger: object = False
+    if spec.get("log_every"):  # CuboidMonitor's figures, logged every N steps to a CSV file
+        from lightning.pytorch.loggers import CSVLogger
+
+        from cuboid import CuboidMonitor
+
+        callbacks.append(CuboidMonitor())
+        logger = CSVLogger(out_dir, name=spec["name"], version=0)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -267,11 +275,13 @@ def run(spec: dict, out_dir: Path) -> None:
         gradient_clip_val=clip,
         accumulate_grad_batches=spec.get("accumulate", 1),
         enable_checkpointing=bool(spec.get("save_every") or spec.get("save_epoch_end")),
-        logger=False,
+        logger=logger,
+        log_every_n_steps=spec.get("log_every", 50),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
-        default_root_dir=spec.get("default_root_dir"),
+        # not the working directory: a stopped run's preemption checkpoint lands here
+        default_root_dir=spec.get("default_root_dir") or str(out_dir / f"{spec['name']}.root"),
     )
     # Lightning swaps in a DistributedSampler over the dp ranks, shuffled with the global seed per epoch.
     loader = DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp), shuffle=True)
@@ -387,6 +397,11 @@ def run(spec: dict, out_dir: Path) -> None:
             "mesh": strategy.device_mesh.mesh.tolist(),
             "grad_norm": float(trainer.precision_plugin.last_grad_norm or float("nan")),
         }
+        if spec.get("log_every"):  # what the logger received: {step: {metric: value}}
+            import csv
+
+            rows = csv.DictReader((out_dir / spec["name"] / "version_0" / "metrics.csv").open())
+            result["logged"] = [{k: float(v) for k, v in row.items() if v != ""} for row in rows]
         torch.save(result, out_dir / f"{spec['name']}.pt")
     dist.barrier()
 
