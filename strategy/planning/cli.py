@@ -4,7 +4,7 @@
     python -m cuboid.layout model=70b nodes=1 gpus_per_node=8 gpu=h100 seq=4096
     python -m cuboid.layout model=path/to/config.json nodes=1 gpus_per_node=8 gpu=h100   # a Hugging Face decoder
 
-lists every valid (pp, dp_replicate, dp_shard, cp, tp) layout with its per-GPU memory and step time, marks what does
+lists every valid (pp, dp_replicate, dp_shard, cp, tp, ep) layout with its per-GPU memory and step time, marks what does
 not fit, and recommends one (:mod:`cuboid.planning.planner`).
 """
 
@@ -20,8 +20,9 @@ USAGE = f"""usage: python -m cuboid.layout [key=value ...]
 Every valid (pp, dp_replicate, dp_shard, cp, tp) layout for a model on a cluster, with per-GPU memory and step time by
 formula, what fits, and a recommendation. Arguments are key=value (Hydra's style):
 
-  model=NAME|PATH      a named size of cuboid.models (debug, 150m, 1b, 3b, 8b, 70b, 405b) or a Hugging Face
-                       config.json (or its directory) of a dense Llama-family decoder (default 8b)
+  model=NAME|PATH      a named size of cuboid.models (debug, moe_debug, 150m, 1b, 3b, 8b, 70b, 405b) or a Hugging
+                       Face config.json (or its directory) of a Llama-family decoder, dense or mixture-of-experts
+                       (Qwen3-MoE, Mixtral: expert_parallel degrees are tried too) (default 8b)
   nodes=N              nodes (default 1)
   gpus_per_node=N      GPUs per node (default 8)
   gpu=NAME             one of {", ".join(GPUS)} (default h100)

@@ -10,6 +10,7 @@ equal to the measured shards on every pipeline parity layout), for Cuboid's mode
 
     python -m cuboid.dryrun --model 70b --dp 8 --tp 8
     python -m cuboid.dryrun --hf-config path/to/config.json --pp 4 --dp 4 --tp 8
+    python -m cuboid.dryrun --hf-config path/to/qwen3_moe/config.json --dp 8 --ep 8   # experts split over 8 ranks
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from cuboid import compat
 from cuboid.parallel import plans
 from cuboid.parallel.build import ParallelSettings, parallelize_plain
-from cuboid.parallel.mesh import Layout, LayoutError, build_device_mesh
+from cuboid.parallel.mesh import Layout, LayoutError, build_device_mesh, build_ep_meshes
+from cuboid.parallel.parallelize import ExpertsLayout
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RankBytes:
     elements: int
     total_elements: int
     per_pp_rank: list[int] | None = None  # under pp: each pp rank's parameter bytes (params is the largest)
+    experts: tuple[int, int] | None = None  # under ep: (experts this rank computes per MoE layer, of how many)
 
     @property
     def grads(self) -> int:
@@ -78,7 +81,9 @@ def dry_run(
         mesh, _ = build_device_mesh(layout, "cpu")
         matched = plans.resolve_plan(lm, tensor_parallel_plan, layout.tp)
         blocks = plans.find_blocks(lm, None)
-        parallelize_plain(lm, blocks, matched, ParallelSettings.on(mesh, mp_policy=MixedPrecisionPolicy()))
+        experts = ExpertsLayout(*build_ep_meshes(mesh, layout.ep), layout.dp * layout.cp) if layout.ep > 1 else None
+        settings = ParallelSettings.on(mesh, mp_policy=MixedPrecisionPolicy(), experts=experts)
+        parallelize_plain(lm, blocks, matched, settings)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in lm.parameters()]
         assert all(t.is_meta for t in local), "dry_run allocated a tensor"
         return RankBytes(
@@ -86,10 +91,21 @@ def dry_run(
             params=sum(t.numel() * t.element_size() for t in local),
             elements=sum(t.numel() for t in local),
             total_elements=sum(p.numel() for p in lm.parameters()),
+            experts=_experts_per_rank(lm) if experts is not None else None,
         )
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _experts_per_rank(lm: nn.Module) -> tuple[int, int]:
+    """(experts one rank computes, experts) of the first MoE layer: the ep split of its packed parameters."""
+    from cuboid.experts import experts_modules
+
+    _, module = next(experts_modules(lm))
+    param = next(p for n, p in module.named_parameters() if n in ("gate_up_proj", "up_proj"))
+    ep_dim = param.device_mesh.mesh_dim_names.index("ep")
+    return param.shape[0] // param.device_mesh.size(ep_dim), module.num_experts
 
 
 def _pipeline_dry_run(
@@ -135,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     from cuboid.models import CausalLM
 
     parser = argparse.ArgumentParser(prog="python -m cuboid.dryrun", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="8b", help="a named size of cuboid.models (debug, 150m, 1b, 3b, 8b, 70b)")
+    parser.add_argument(
+        "--model", default="8b", help="a named size of cuboid.models (debug, moe_debug, 150m, 1b, 3b, 8b, 70b)"
+    )
     parser.add_argument("--hf-config", default=None, help="a transformers config.json (or its directory) instead")
     parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel")
     parser.add_argument("--schedule", default="1F1B", help="pipeline_schedule (under --pp)")
@@ -143,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel")
     parser.add_argument("--cp", type=int, default=1, help="context_parallel (FSDP shards over dp_shard x cp)")
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel (MoE experts over ep of the dp_shard ranks)")
     args = parser.parse_args(argv)
     lm = _hf_module(args.hf_config) if args.hf_config else CausalLM(model=args.model, meta_init=True)
-    layout = Layout(args.pp, args.replicate, args.dp, args.tp, args.cp)
+    layout = Layout(args.pp, args.replicate, args.dp, args.tp, args.cp, args.ep)
     report = dry_run(lm, layout, pipeline_schedule=args.schedule)
     gib = 2**30
     name = args.hf_config or args.model
@@ -156,5 +175,9 @@ def main(argv: list[str] | None = None) -> None:
         f"persistent bytes per rank: params {report.params / gib:.2f} GiB, grads {report.grads / gib:.2f} GiB, "
         f"optimizer {report.optimizer / gib:.2f} GiB, total {report.total / gib:.2f} GiB (activations not included)"
     )
+    if report.experts:
+        held, of = report.experts
+        print(f"  experts: {held} of {of} per MoE layer computed on each rank (gathered over "
+              f"efsdp={layout.dp_shard * layout.cp // layout.ep}); their shards are in the bytes above")  # fmt: skip
     for rank, nbytes in enumerate(report.per_pp_rank or []):
         print(f"  pp rank {rank}: params {nbytes / gib:.3f} GiB, with grads and AdamW {4 * nbytes / gib:.3f} GiB")

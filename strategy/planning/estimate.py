@@ -30,6 +30,14 @@ exceeds it, plus the first block's); tensor parallel's run in the critical path 
 ``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved;
 context parallel all-gathers each block's keys and values in forward (again when full checkpointing recomputes)
 and reduce-scatters their gradients in backward, in the critical path (Cuboid's exchange does not overlap).
+
+Mixture of experts (``Shape.experts > 0``): FLOPs follow the active parameters (``top_k`` experts per token);
+persistent bytes count every expert, sharded over ``dp_shard x cp`` as the rest (expert parallel borrows those
+ranks, so ``ep`` does not change them); FSDP gathers a block's experts over ``efsdp = dp_shard x cp / ep`` only, so
+the gathered experts per rank and their all-gather traffic fall as ``1 / ep``; the activations take ``top_k``
+experts' width for the feed-forward's plus each pair's routed row and result (an estimate, not measured); expert
+parallel adds, per MoE block and micro-batch, four all-to-alls of ``top_k x b s h`` (six under full checkpointing)
+in the critical path.
 """
 
 from __future__ import annotations
@@ -88,7 +96,9 @@ def rank_stages(s: Setup) -> list[list[int]]:
 
 def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:
     """Per pp rank: (tp-sharded, tp-replicated, root matrix parameters, blocks). The embedding goes with the first
-    stage, norm and output with the last (a tied matrix is held by both when they are different stages)."""
+    stage, norm and output with the last (a tied matrix is held by both when they are different stages). An MoE
+    block's router and experts count as tp-replicated (expert parallel splits them over ``dp_shard x cp`` ranks
+    that FSDP shards over anyway: the persistent bytes per rank do not change with ``ep``)."""
     n_stages = s.pp * s.virtual_stages
     blocks = stage_blocks(shape, n_stages)
     out = []
@@ -102,15 +112,16 @@ def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:
                 replicated += shape.dim
                 if not (shape.tied and n_stages == 1):
                     root += shape.vocab * shape.dim
-        replicated += n_blocks * shape.block_norms
+        replicated += n_blocks * (shape.block_norms + shape.block_router + shape.block_experts)  # not split by tp
         out.append((n_blocks * shape.block_tp + root, replicated, root, n_blocks))
     return out
 
 
 def activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int) -> float:
     """What autograd keeps for one block and micro-batch (the module docstring's count), scaled from bf16."""
-    bsh, bskv, bsf = b * seq * shape.dim, b * seq * shape.kv_dim, b * seq * shape.ffn
+    bsh, bskv, bsf = b * seq * shape.dim, b * seq * shape.kv_dim, b * seq * shape.ffn_active
     scale = compute / 2
+    routed = 4 * shape.top_k * bsh if shape.experts and ac != "full" else 0  # each pair's row in and result out
     if ac == "full":
         kept = 2 * bsh
     elif ac == "selective":  # Cuboid's: every matmul and attention output kept, the rest recomputed
@@ -119,7 +130,7 @@ def activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, c
         kept = 8 * bsh + 2 * bskv + 2 * bsf
     else:
         kept = 30 * bsh + 8 * bskv + 8 * bsf
-    return kept * scale / tp
+    return (kept + routed) * scale / tp
 
 
 def memory(shape: Shape, s: Setup) -> Memory:
@@ -140,10 +151,12 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     host = 0.0
     if s.cpu_offload:
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
-    block = shape.block_tp / s.tp + shape.block_norms
+    # FSDP gathers a block's experts over efsdp only: this rank's dim-0 block of them, experts / ep
+    block = shape.block_tp / s.tp + shape.block_norms + shape.block_router + shape.block_experts / s.ep
     if s.pp > 1:  # the stage keeps its parameters gathered and accumulates unsharded gradients until the last
         # micro-batch (torch's pipeline stage: no resharding after backward, no gradient sync in between)
-        gathered = (sharded / s.tp + replicated) * (compute + reduce)
+        held = sharded / s.tp + replicated - n_blocks * shape.block_experts * (1 - 1 / s.ep)
+        gathered = held * (compute + reduce)
     elif shards > 1:
         gathered = 2 * block * compute + 2 * block * reduce + root / s.tp * compute
     else:
@@ -186,10 +199,12 @@ class StepTime:
     p2p: float
     optimizer: float
     tokens_per_gpu: float  # tokens of one optimizer step per GPU (global tokens / world)
+    ep: float = 0.0  # expert parallel's all-to-alls
 
     @property
     def total(self) -> float:
-        return self.compute + self.fsdp + self.hsdp + self.tp + self.cp + self.bubble + self.p2p + self.optimizer
+        parts = (self.compute, self.fsdp, self.hsdp, self.tp, self.cp, self.bubble, self.p2p, self.optimizer, self.ep)
+        return sum(parts)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -240,8 +255,16 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     bw, alpha = _link(hw, s.tp * shards)
     reshard = s.reshard_after_forward if s.reshard_after_forward is not None else s.pp == 1
     gather_b = 1 if s.fp8 else compute_b
-    gathers = (2 if reshard else 1) * _ring(shards, stage * gather_b, bw, alpha * (blocks + 1))
-    scatters = _ring(shards, stage * reduce_b, bw, alpha * (blocks + 1))
+    experts = blocks * shape.block_experts  # gathered over efsdp = shards / ep, this rank's experts / ep only
+    dense = stage - experts
+
+    def fsdp_ring(elem_bytes: int) -> float:
+        calls = alpha * (blocks + 1)
+        dense_part = _ring(shards, dense * elem_bytes, bw, calls)
+        return dense_part + (_ring(shards // s.ep, experts / s.ep * elem_bytes, bw, calls) if experts else 0.0)
+
+    gathers = (2 if reshard else 1) * fsdp_ring(gather_b)
+    scatters = fsdp_ring(reduce_b)
     fsdp_total = gathers + scatters
     fsdp = max(0.0, fsdp_total - compute) + fsdp_total / max(blocks, 1)  # the first block's is never hidden
     bw_r, alpha_r = _link(hw, s.world // s.pp)
@@ -264,9 +287,18 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
         bw_p, alpha_p = _link(hw, s.world // s.pp * 2)
         act = tokens_dp / s.m * shape.dim * compute_b / (s.tp * s.cp)
         p2p = 2 * (s.pp - 1) * (alpha_p + act / bw_p)
+    # Expert parallel: per MoE block and micro-batch, each token's top_k rows sent to their experts' ranks and the
+    # results back, in forward and again in backward (and the forward pair again under full checkpointing), in
+    # the critical path; (ep - 1) / ep of the rows leave the rank when routing is balanced.
+    ep = 0.0
+    if s.ep > 1 and shape.experts:
+        bw_e, alpha_e = _link(hw, s.tp * s.ep)
+        rows = tokens_dp / s.cp / s.m * shape.top_k * shape.dim * compute_b
+        one = (s.ep - 1) * alpha_e + rows * (s.ep - 1) / s.ep / bw_e
+        ep = one * blocks * s.m * (6 if s.ac == "full" else 4)
     optimizer = stage / shards * 16 * 2 / hw.hbm  # read and write params, grads and moments once
     tokens_per_gpu = tokens_dp * s.dp_replicate * s.dp_shard / s.world
-    return StepTime(compute, fsdp, hsdp, tp, cp, bubble, p2p, optimizer, tokens_per_gpu)
+    return StepTime(compute, fsdp, hsdp, tp, cp, bubble, p2p, optimizer, tokens_per_gpu, ep)
 
 
 def fits(mem: Memory, hw: Hardware, headroom: float = 0.9) -> bool:

@@ -82,7 +82,7 @@ class Option:
     def row(self) -> dict[str, object]:
         s, m = self.setup, self.memory
         return {
-            "pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp, "tp": s.tp,
+            "pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp, "tp": s.tp, "ep": s.ep,
             "ac": s.ac or "none", "cpu_offload": s.cpu_offload, "batch": s.batch if self.fits else 0,
             "persistent_gib": m.persistent / GIB, "gathered_gib": m.gathered / GIB,
             "activations_gib": m.activations / GIB, "logits_gib": m.logits / GIB, "total_gib": m.total / GIB,
@@ -119,6 +119,14 @@ def layouts(
                         continue
                     out.append((pp, rep, dp // rep, tp, cp))
     return out
+
+
+def expert_degrees(shape: Shape, pp: int, shard: int, tp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for an MoE model each divisor of ``dp_shard`` (> 1) that divides its
+    experts, where Cuboid composes them (not yet with pp, tp or cp)."""
+    if not shape.experts or pp > 1 or tp > 1 or cp > 1:
+        return [1]
+    return [ep for ep in divisors(shard) if shape.experts % ep == 0]
 
 
 def best_batch(shape: Shape, s: Setup, hw: Hardware, headroom: float, max_batch: int) -> tuple[Setup, Memory, bool]:
@@ -158,18 +166,18 @@ def plan(
     world = nodes * gpus_per_node
     options = []
     for pp, rep, shard, tp, cp in layouts(shape, world, gpus_per_node, seq):
-        for offload in (False, True):
-            for ac in (None, "selective", "full"):
-                s = Setup(pp, rep, shard, tp, seq=seq, precision=precision, ac=ac, cpu_offload=offload,
-                          compile=compile, cp=cp)  # fmt: skip
-                s, mem, ok = best_batch(shape, s, hw, headroom, max_batch)
-                host_ok = mem.host * gpus_per_node <= host_memory_per_node
-                ok = ok and host_ok
-                t = step_time(shape, s, hw, CALIBRATION["efficiency"], CALIBRATION["compile_gain"],
-                              CALIBRATION["fp8_gain"]) if ok else None  # fmt: skip
-                if offload and t is not None:  # parameters, gradients and moments cross PCIe every step
-                    t = replace(t, optimizer=t.optimizer + 3 * mem.host / 25e9)
-                options.append(Option(s, mem, t, ok, host_ok))
+        for offload, ac, ep in [(o, a, e) for o in (False, True) for a in (None, "selective", "full")
+                                for e in expert_degrees(shape, pp, shard, tp, cp)]:  # fmt: skip
+            s = Setup(pp, rep, shard, tp, seq=seq, precision=precision, ac=ac, cpu_offload=offload, compile=compile,
+                      cp=cp, ep=ep)  # fmt: skip
+            s, mem, ok = best_batch(shape, s, hw, headroom, max_batch)
+            host_ok = mem.host * gpus_per_node <= host_memory_per_node
+            ok = ok and host_ok
+            t = step_time(shape, s, hw, CALIBRATION["efficiency"], CALIBRATION["compile_gain"],
+                          CALIBRATION["fp8_gain"]) if ok else None  # fmt: skip
+            if offload and t is not None:  # parameters, gradients and moments cross PCIe every step
+                t = replace(t, optimizer=t.optimizer + 3 * mem.host / 25e9)
+            options.append(Option(s, mem, t, ok, host_ok))
     fitting = sorted((o for o in options if o.fits), key=lambda o: -o.time.tokens_per_s_per_gpu)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.memory.total)
     return fitting + rest
@@ -191,13 +199,13 @@ def validation_table(hw: Hardware | None = None) -> str:
 
 
 def table(options: list[Option], limit: int = 20) -> str:
-    head = (f"{'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3} {'AC':>9} {'offload':>7} {'batch':>5} {'persist':>8} "
+    head = (f"{'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3} {'ep':>3} {'AC':>9} {'offload':>7} {'batch':>5} {'persist':>8} "
             f"{'gather':>7} {'activ':>7} {'logits':>7} {'total':>7} {'fits':>4} {'tok/s/GPU':>9} {'step s':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for o in options[:limit]:
         r = o.row()
         lines.append(
-            f"{r['pp']:>3} {r['dp_replicate']:>3} {r['dp_shard']:>5} {r['cp']:>3} {r['tp']:>3} {r['ac']:>9} "
+            f"{r['pp']:>3} {r['dp_replicate']:>3} {r['dp_shard']:>5} {r['cp']:>3} {r['tp']:>3} {r['ep']:>3} {r['ac']:>9} "
             f"{'yes' if r['cpu_offload'] else 'no':>7} {r['batch']:>5} {r['persistent_gib']:>8.1f} "
             f"{r['gathered_gib']:>7.1f} {r['activations_gib']:>7.1f} {r['logits_gib']:>7.1f} {r['total_gib']:>7.1f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['tokens_per_s_per_gpu']:>9.0f} {r['step_s']:>7.2f}"
@@ -235,7 +243,12 @@ def what_fits(options: list[Option], gpus_per_node: int = 8) -> str:
 
 def _name(o: Option) -> str:
     s = o.setup
-    return f"pp{s.pp} x rep{s.dp_replicate} x shard{s.dp_shard}" + (f" x cp{s.cp}" if s.cp > 1 else "") + f" x tp{s.tp}"
+    ep = f" (experts over ep{s.ep})" if s.ep > 1 else ""
+    return (
+        f"pp{s.pp} x rep{s.dp_replicate} x shard{s.dp_shard}"
+        + (f" x cp{s.cp}" if s.cp > 1 else "")
+        + f" x tp{s.tp}{ep}"
+    )
 
 
 def recommend(options: list[Option]) -> str:
@@ -250,6 +263,8 @@ def recommend(options: list[Option]) -> str:
             f"data_parallel_shard={s.dp_shard}", f"tensor_parallel={s.tp}"]  # fmt: skip
     if s.cp > 1:
         args.append(f"context_parallel={s.cp}")
+    if s.ep > 1:
+        args.append(f"expert_parallel={s.ep}")
     if s.ac:
         args.append(f"activation_checkpointing={s.ac!r}")
     if s.cpu_offload:

@@ -12,7 +12,12 @@ GIB = 1024**3
 class Shape:
     """A Llama-shaped decoder's sizes (Llama, Mistral, Qwen2 and Qwen3 included: a query width other than ``dim``
     through ``head_dim``, Qwen2's q/k/v biases, Qwen3's per-head q/k norms). Parameters and FLOPs follow the query
-    width; the activation count takes query-sized tensors as ``dim``-sized (exact when heads x head_dim = dim)."""
+    width; the activation count takes query-sized tensors as ``dim``-sized (exact when heads x head_dim = dim).
+
+    Mixture of experts (``experts > 0``: Qwen3-MoE, Mixtral, Cuboid's ``LlamaConfig(n_experts=...)``): every block's
+    feed-forward is a router (``experts x dim``), ``experts`` SwiGLU experts of width ``moe_ffn`` of which each token
+    uses ``top_k``, and a shared expert of width ``shared_ffn`` if any. :attr:`params` counts every expert,
+    :attr:`active_params` the ``top_k`` a token uses (FLOPs follow the active count)."""
 
     layers: int
     dim: int
@@ -24,6 +29,10 @@ class Shape:
     head_dim: int = 0  # 0: dim // heads
     qkv_bias: bool = False
     qk_norm: bool = False
+    experts: int = 0  # routed experts per block (0: a dense feed-forward of width ffn)
+    top_k: int = 0
+    moe_ffn: int = 0  # one expert's width
+    shared_ffn: int = 0  # the shared expert's width (0: none)
 
     @classmethod
     def of(cls, model: str | object) -> Shape:
@@ -43,12 +52,16 @@ class Shape:
                 )
             model = CONFIGS[model]
         c = model
-        return cls(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.tie_embeddings)
+        moe = {}
+        if getattr(c, "n_experts", 0):
+            moe = {"experts": c.n_experts, "top_k": c.top_k, "moe_ffn": c.moe_ffn_dim or c.ffn_dim,
+                   "shared_ffn": c.ffn_dim if c.shared_expert else 0}  # fmt: skip
+        return cls(c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.tie_embeddings, **moe)
 
     @classmethod
     def from_hf_config(cls, path: str) -> Shape:
-        """From a Hugging Face ``config.json`` of a dense Llama-family decoder (read with transformers' own
-        ``AutoConfig``, so its defaults apply); mixture-of-experts and other architectures are refused by name."""
+        """From a Hugging Face ``config.json`` of a Llama-family decoder, dense or mixture-of-experts (read with
+        transformers' own ``AutoConfig``, so its defaults apply); other architectures are refused by name."""
         from pathlib import Path
 
         try:
@@ -64,13 +77,13 @@ class Shape:
             )
         c = AutoConfig.from_pretrained(str(folder))
         kind = getattr(c, "model_type", "?")
-        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
-        if experts or kind not in ("llama", "mistral", "qwen2", "qwen3"):
-            what = f"a mixture-of-experts model ({experts} experts)" if experts else f"model_type {kind!r}"
+        if kind not in ("llama", "mistral", "qwen2", "qwen3", *MOE_KINDS):
             raise ValueError(
-                f"model={path!r} is {what}: the planner models dense Llama-family decoders (llama, mistral, qwen2, "
-                "qwen3). Setup still checks any model's parameter bytes against the GPU (cuboid.planning.capacity)."
+                f"model={path!r} is model_type {kind!r}: the planner models Llama-family decoders (llama, mistral, "
+                f"qwen2, qwen3) and their mixture-of-experts kin ({', '.join(MOE_KINDS)}). Setup still checks any "
+                "model's parameter bytes against the GPU (cuboid.planning.capacity)."
             )
+        moe = _moe_of(c, kind, path)
         heads = c.num_attention_heads
         return cls(
             layers=c.num_hidden_layers,
@@ -82,7 +95,8 @@ class Shape:
             tied=bool(getattr(c, "tie_word_embeddings", False)),
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             qkv_bias=kind == "qwen2" or bool(getattr(c, "attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @property
@@ -99,9 +113,25 @@ class Shape:
 
     @property
     def block_tp(self) -> int:
-        """Parameters of a block that tensor parallelism shards (the projections, and q/k/v biases if any)."""
+        """Parameters of a block that tensor parallelism shards (the projections, and q/k/v biases if any; of an
+        MoE block's feed-forward, the shared expert only)."""
         bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn + bias
+        dense = self.shared_ffn if self.experts else self.ffn
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * dense + bias
+
+    @property
+    def block_experts(self) -> int:
+        """An MoE block's routed experts (all of them; 0 for a dense block)."""
+        return self.experts * 3 * self.dim * self.moe_ffn
+
+    @property
+    def block_router(self) -> int:
+        return self.experts * self.dim
+
+    @property
+    def ffn_active(self) -> int:
+        """The feed-forward width one token goes through: ``ffn``, or ``top_k`` experts and the shared one."""
+        return self.top_k * self.moe_ffn + self.shared_ffn if self.experts else self.ffn
 
     @property
     def block_norms(self) -> int:
@@ -110,13 +140,39 @@ class Shape:
     @property
     def params(self) -> int:
         heads = 1 if self.tied else 2
-        return self.layers * (self.block_tp + self.block_norms) + heads * self.vocab * self.dim + self.dim
+        block = self.block_tp + self.block_norms + self.block_experts + self.block_router
+        return self.layers * block + heads * self.vocab * self.dim + self.dim
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: an MoE block's ``top_k`` experts of ``experts``."""
+        idle = self.block_experts - self.top_k * 3 * self.dim * self.moe_ffn if self.experts else 0
+        return self.params - self.layers * idle
 
     def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters (the embedding lookup excluded) + 12 x layers x dim x
-        seq (attention), as ANCHORS.md."""
-        matmul = self.params - (0 if self.tied else self.vocab * self.dim)
+        """Training FLOPs per token: 6 x matmul parameters (the active ones; the embedding lookup excluded) + 12 x
+        layers x dim x seq (attention), as ANCHORS.md."""
+        matmul = self.active_params - (0 if self.tied else self.vocab * self.dim)
         return 6 * matmul + 12 * self.layers * self.q_dim * seq
+
+
+MOE_KINDS = ("qwen3_moe", "mixtral")
+
+
+def _moe_of(c: object, kind: str, path: str) -> dict[str, int]:
+    """The mixture-of-experts fields of a Hugging Face config: Qwen3-MoE (``num_experts``, ``moe_intermediate_size``;
+    every layer sparse) and Mixtral (``num_local_experts``, experts of ``intermediate_size``)."""
+    if kind == "mixtral":
+        return {"experts": c.num_local_experts, "top_k": c.num_experts_per_tok, "moe_ffn": c.intermediate_size}
+    if kind == "qwen3_moe":
+        if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                f"model={path!r} mixes dense and mixture-of-experts layers (mlp_only_layers="
+                f"{getattr(c, 'mlp_only_layers', None)}, decoder_sparse_step={getattr(c, 'decoder_sparse_step', 1)}): "
+                "the planner models every layer alike. Plan the all-sparse config instead."
+            )
+        return {"experts": c.num_experts, "top_k": c.num_experts_per_tok, "moe_ffn": c.moe_intermediate_size}
+    return {}
 
 
 @dataclass(frozen=True)
@@ -167,6 +223,7 @@ class Setup:
     async_tp: bool = False
     reshard_after_forward: bool | None = None  # None: Cuboid's default (True without pp, False with)
     cp: int = 1  # context parallel: each sequence split over cp ranks; FSDP shards over dp_shard x cp
+    ep: int = 1  # expert parallel: each MoE block's experts split over ep of the dp_shard x cp ranks
 
     @property
     def world(self) -> int:

@@ -119,7 +119,10 @@ def test_command_line_prints_layouts_what_fits_and_a_recommendation() -> None:
 @pytest.mark.parametrize(
     ("family", "extra"),
     [("llama", {"num_key_value_heads": 8}), ("mistral", {"num_key_value_heads": 8}),
-     ("qwen2", {"num_key_value_heads": 2}), ("qwen3", {"num_key_value_heads": 4, "head_dim": 128})],
+     ("qwen2", {"num_key_value_heads": 2}), ("qwen3", {"num_key_value_heads": 4, "head_dim": 128}),
+     ("qwen3_moe", {"num_key_value_heads": 4, "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 512}),
+     ("mixtral", {"num_key_value_heads": 8, "num_local_experts": 4, "num_experts_per_tok": 2})],
 )  # fmt: skip
 def test_planner_reads_a_hugging_face_config_and_counts_its_parameters(family, extra, tmp_path) -> None:
     """``model=`` a config.json of code nobody here wrote: the planner's parameter count equals transformers' own
@@ -143,13 +146,82 @@ def test_planner_reads_a_hugging_face_config_and_counts_its_parameters(family, e
     assert plan(str(tmp_path), nodes=1, gpus_per_node=2, gpu="h100", seq=1024)  # the planner runs on it
 
 
-def test_planner_refuses_a_mixture_of_experts_config_by_name(tmp_path) -> None:
+def test_planner_refuses_what_it_does_not_model_by_name(tmp_path) -> None:
     import transformers
 
     from cuboid.planning.estimate import Shape
 
-    transformers.AutoConfig.for_model("mixtral", num_local_experts=8).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"is a mixture-of-experts model \(8 experts\): the planner models dense"):
-        Shape.of(str(tmp_path))
+    transformers.AutoConfig.for_model("gpt_oss").save_pretrained(tmp_path / "gpt_oss")
+    with pytest.raises(ValueError, match=r"is model_type 'gpt_oss': the planner models Llama-family decoders"):
+        Shape.of(str(tmp_path / "gpt_oss"))
+    transformers.AutoConfig.for_model("qwen3_moe", mlp_only_layers=[0]).save_pretrained(tmp_path / "mixed")
+    with pytest.raises(ValueError, match=r"mixes dense and mixture-of-experts layers \(mlp_only_layers=\[0\]"):
+        Shape.of(str(tmp_path / "mixed"))
     with pytest.raises(ValueError, match="no config.json there"):
         Shape.of(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "total", "active"),
+    [  # Mistral AI, "Mixtral of experts" (2023-12-11): 46.7B total, 12.9B used per token
+        ("mixtral", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "vocab_size": 32000}, 46.7e9, 12.9e9),
+        # Qwen3-30B-A3B's model card: 30.5B in total, 3.3B activated
+        ("qwen3_moe", {"hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                       "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}, 30.5e9, 3.3e9),
+    ],
+)  # fmt: skip
+def test_mixture_of_experts_parameters_match_the_published_totals_and_active_counts(
+    family, fields, total, active, tmp_path
+) -> None:
+    import transformers
+
+    from cuboid.planning.estimate import Shape
+
+    transformers.AutoConfig.for_model(family, **fields).save_pretrained(tmp_path)
+    shape = Shape.of(str(tmp_path))
+    # within 2%: the published figures are rounded to 0.1B (Qwen's card says 3.3B for 3.35B)
+    assert shape.params == pytest.approx(total, rel=0.02) and shape.active_params == pytest.approx(active, rel=0.02)
+    assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.vocab * shape.dim)
+
+
+def test_expert_parallel_cuts_the_gathered_experts_not_the_persistent_shards() -> None:
+    """Qwen3-30B-A3B-shaped, FSDP over 8: ep 1, 2, 4, 8. Persistent bytes per rank stay (EP borrows the ranks FSDP
+    shards over); the gathered block (its experts over efsdp = 8 / ep) falls as 1 / ep in its expert part; the
+    step gains the all-to-alls and loses expert all-gather traffic; the planner offers each ep and names it."""
+    shape = Shape(48, 2048, 32, 4, 6144, 151936, head_dim=128, qk_norm=True, experts=128, top_k=8, moe_ffn=768)
+    hw = GPUS["h100"]
+    runs = {ep: Setup(dp_shard=8, batch=1, seq=4096, ac="full", ep=ep) for ep in (1, 2, 4, 8)}
+    mem = {ep: memory(shape, s) for ep, s in runs.items()}
+    time = {ep: step_time(shape, s, hw, **CALIBRATION) for ep, s in runs.items()}
+    assert len({round(m.persistent) for m in mem.values()}) == 1
+    dense_block = (shape.block_tp + shape.block_norms + shape.block_router) * (2 + 4)  # bf16 copy + fp32 grad
+    for ep in runs:
+        experts = 2 * shape.block_experts / ep * (2 + 4)  # two blocks in flight
+        root = 2 * shape.vocab * shape.dim * 2  # embedding and output, bf16
+        assert mem[ep].gathered == pytest.approx(2 * dense_block + experts + root)
+    assert time[1].ep == 0 and 0 < time[2].ep < time[4].ep < time[8].ep
+    assert time[1].fsdp > time[2].fsdp > time[4].fsdp
+    options = plan(shape, nodes=1, gpus_per_node=8, gpu="h100", seq=4096)
+    assert {o.setup.ep for o in options if o.setup.tp == 1 and o.setup.pp == 1 and o.setup.cp == 1} == {1, 2, 4, 8}
+    assert all(o.setup.ep == 1 for o in options if o.setup.tp > 1 or o.setup.pp > 1)
+
+
+def test_the_dry_run_splits_experts_over_ep_and_agrees_with_the_planners_bytes(tmp_path) -> None:
+    """Qwen3-30B-A3B (transformers' model built on meta, parallelized on 8 fake ranks at ep 8): each rank computes 16
+    of the 128 experts per layer, and its persistent fp32 AdamW bytes equal the planner's formula within 0.1%."""
+    import transformers
+
+    fields = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+              "vocab_size": 151936, "tie_word_embeddings": False}  # fmt: skip
+    transformers.AutoConfig.for_model("qwen3_moe", **fields).save_pretrained(tmp_path)
+    cmd = [sys.executable, "-m", "cuboid.dryrun", "--hf-config", str(tmp_path), "--dp", "8", "--ep", "8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "experts over ep=8" in out.stdout and "experts: 16 of 128 per MoE layer" in out.stdout, out.stdout
+    total_gib = float(re.search(r"total ([0-9.]+) GiB", out.stdout)[1])
+    planned = memory(Shape.of(str(tmp_path)), Setup(dp_shard=8, ep=8, precision="32-true")).persistent / GIB
+    assert total_gib == pytest.approx(planned, rel=1e-3), (total_gib, planned)
