@@ -7,7 +7,8 @@ A benchmark, not a test. The main job's ``cuboid.models.CausalLM`` on a small Ll
 ``--steps`` steps with :class:`cuboid.planning.ledger.CommLedger`; the last step's table, per pp rank, is set beside
 :func:`cuboid.planning.ledger.expected` (FSDP, HSDP, TP and PP terms), with the ratio measured / expected for each mesh
 dimension and collective kind. Collectives outside the model (gradient-norm and logging all-reduces, Cuboid's
-per-step agreement) are listed as "other". Writes ``docs/bench/comm.json``.
+per-step agreement) are listed as "other". The "moe-" layouts train 4 experts per block, top-2, at expert_parallel=2:
+their ``ep`` row is the mean over the ranks (each rank's share follows the routing). Writes ``docs/bench/comm.json``.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ from cuboid.planning.estimate import Setup, Shape
 from cuboid.planning.ledger import CommLedger, expected
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+# The "moe-" layouts train the same Llama with 4 experts of width 64 per block, top-2 (cuboid.models.moe).
+MOE_CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64,
+                      n_experts=4, top_k=2, moe_ffn_dim=64)  # fmt: skip
 BATCH, SEQ = 8, 32
 LAYOUTS: dict[int, list[tuple[str, dict]]] = {
-    2: [("dp2", {}), ("tp2", {"tensor_parallel": 2}), ("pp2", {"pipeline_parallel": 2})],
+    2: [("dp2", {}), ("tp2", {"tensor_parallel": 2}), ("pp2", {"pipeline_parallel": 2}),
+        ("moe-ep2", {"expert_parallel": 2})],
     4: [("dp4", {}), ("dp2xtp2", {"tensor_parallel": 2}), ("hsdp2x2", {"data_parallel_replicate": 2}),
-        ("pp2xdp2", {"pipeline_parallel": 2})],
+        ("pp2xdp2", {"pipeline_parallel": 2}), ("moe-ep2-in-dp4", {"expert_parallel": 2})],
     8: [("pp2xdp2xtp2", {"pipeline_parallel": 2, "tensor_parallel": 2})],
 }  # fmt: skip
-MODEL_DIMS = ("dp_shard", "dp_replicate", "tp", "pp")
+MODEL_DIMS = ("dp_shard", "dp_replicate", "tp", "pp", "efsdp", "ep")
 
 
 def setup_of(kwargs: dict, world: int) -> Setup:
@@ -47,7 +52,11 @@ def setup_of(kwargs: dict, world: int) -> Setup:
         kwargs.get("tensor_parallel", 1),
     )
     return Setup(pp=pp, dp_replicate=rep, dp_shard=world // (pp * rep * tp), tp=tp, batch=BATCH, seq=SEQ,
-                 precision="32-true")  # fmt: skip
+                 precision="32-true", ep=kwargs.get("expert_parallel", 1))  # fmt: skip
+
+
+def config_of(name: str) -> LlamaConfig:
+    return MOE_CFG if name.startswith("moe-") else CFG
 
 
 def run_layout(name: str, kwargs: dict, world: int, steps: int) -> dict[str, Any]:
@@ -60,12 +69,20 @@ def run_layout(name: str, kwargs: dict, world: int, steps: int) -> dict[str, Any
     setup = setup_of(kwargs, world)
     dp = setup.dp_replicate * setup.dp_shard
     tokens = torch.randint(0, CFG.vocab_size, (BATCH * steps * dp, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    trainer.fit(CausalLM(model=CFG, warmup_steps=1, max_steps=steps), DataLoader(tokens, batch_size=BATCH))
+    model = CausalLM(model=config_of(name), warmup_steps=1, max_steps=steps)
+    trainer.fit(model, DataLoader(tokens, batch_size=BATCH))
     return ledger.steps[-1]
 
 
-def compare(measured: dict, setup: Setup, pp_rank: int) -> list[dict[str, Any]]:
-    want = expected(Shape.of(CFG), setup, pp_rank, backend="gloo")
+def mean_over(steps: list[dict], dim: str) -> dict[str, list[float]]:
+    """One dimension's [count, bytes] per kind, averaged over ranks (the all-to-all's share of each rank depends on
+    the routing; their mean is the analytic figure)."""
+    kinds = {kind for step in steps for kind in step.get(dim, {})}
+    return {k: [sum(s.get(dim, {}).get(k, [0, 0])[i] for s in steps) / len(steps) for i in (0, 1)] for k in kinds}
+
+
+def compare(measured: dict, setup: Setup, pp_rank: int, cfg: LlamaConfig = CFG) -> list[dict[str, Any]]:
+    want = expected(Shape.of(cfg), setup, pp_rank, backend="gloo")
     rows = []
     for dim in sorted(set(measured) | set(want)):
         for kind in sorted(set(measured.get(dim, {})) | set(want.get(dim, {}))):
@@ -80,13 +97,20 @@ def worker(args: argparse.Namespace) -> None:
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
     results = []
     for name, kwargs in LAYOUTS[world]:
+        if args.only and name not in args.only.split(","):
+            continue
         step = run_layout(name, kwargs, world, args.steps)
         per_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, step)
         setup = setup_of(kwargs, world)
         stages = {r * world // setup.pp: r for r in range(setup.pp)}  # the first rank of each pp stage
-        results.append({"layout": name, "world": world, "per_stage": {
-            f"pp rank {stage}": compare(per_rank[rank], setup, stage) for rank, stage in stages.items()}})  # fmt: skip
+        per_stage = {}
+        for rank, stage in stages.items():
+            measured = dict(per_rank[rank])
+            if "ep" in measured:  # every rank of the stage, averaged
+                measured["ep"] = mean_over(per_rank[rank : rank + world // setup.pp], "ep")
+            per_stage[f"pp rank {stage}"] = compare(measured, setup, stage, config_of(name))
+        results.append({"layout": name, "world": world, "per_stage": per_stage})
     if dist.get_rank() == 0:
         Path(args.part).write_text(json.dumps(results))
 
@@ -107,11 +131,13 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = per_world_parser(__doc__, "2, 4 or 8", "docs/bench/comm.json")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated layout names (default: every layout)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
-    results = launch_per_world(__file__, "comm", args.world or sorted(LAYOUTS), ["--steps", str(args.steps)])
+    forwarded = ["--steps", str(args.steps), *(["--only", args.only] if args.only else [])]
+    results = launch_per_world(__file__, "comm", args.world or sorted(LAYOUTS), forwarded)
     print(table(results))
     write_results(args.out, {"steps": args.steps}, results)
 

@@ -57,6 +57,12 @@ class MeshStrategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    def experts_layout(self) -> Any:
+        """Under ``expert_parallel > 1``, the :class:`~cuboid.parallel.parallelize.ExpertsLayout` (the ``ep`` mesh
+        the experts are split over, the mesh their FSDP shards over); ``None`` otherwise."""
+        return getattr(self, "_experts", None)
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         """Process group of the data-parallel ranks (replicas x shards) that share this rank's tp/pp
         coordinates. Pass it to torchmetrics (``Metric(process_group=strategy.dp_group)``) so

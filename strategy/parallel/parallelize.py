@@ -217,7 +217,9 @@ def apply_fsdp(
             # it would free its parameters only to gather them again at once (torchtitan keeps it gathered too).
             last = i == len(blocks) - 1 and reshard_after_forward is True
             for _, module in experts_modules(block) if experts is not None else ():
-                fully_shard(module, mesh=experts.fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+                keep = last or reshard_after_forward is False  # (a partial reshard size is dp_shard's, not efsdp's)
+                fully_shard(module, mesh=experts.fsdp_mesh, mp_policy=mp_policy, offload_policy=offload,
+                            reshard_after_forward=not keep)  # fmt: skip
                 module.set_gradient_divide_factor(float(experts.dp))  # type: ignore[operator]
                 if dist.get_backend() == "gloo" and experts.fsdp_mesh.size(experts.fsdp_mesh.ndim - 1) > 1:
                     # gloo has no PREMUL_SUM: reduce-scatter by SUM, then divide. (Not over one rank, where torch

@@ -34,10 +34,11 @@ DTYPE_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "In
 
 def kind_of(profiling_name: str) -> str:
     """A backend's op name (``gloo:all_gather``, ``nccl:_reduce_scatter_base``, ...) -> one of all_gather,
-    reduce_scatter, all_reduce, send_recv, broadcast, other."""
+    reduce_scatter, all_reduce, all_to_all, send_recv, broadcast, other."""
     name = profiling_name.split(":")[-1].lower().replace("_", "")
     for key, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                      ("send", "send_recv"), ("recv", "send_recv"), ("broadcast", "broadcast")):  # fmt: skip
+                      ("alltoall", "all_to_all"), ("send", "send_recv"), ("recv", "send_recv"),
+                      ("broadcast", "broadcast")):  # fmt: skip
         if key in name:
             return kind
     return "other"
@@ -52,12 +53,18 @@ def entry_bytes(entry: dict[str, Any], kind: str, group_size: int) -> int:
     return total * group_size if kind == "all_gather" else total
 
 
-def mesh_groups(mesh: Any) -> dict[str, tuple[str, int]]:
+def mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
     """Process-group name -> (mesh dimension, size), for this rank: the first dimension (pp, dp_replicate,
-    dp_shard, tp, then the flattened dp) of size > 1 that uses it. A dimension as large as the world shares the
+    dp_shard, tp, then the flattened dp; then expert parallel's ep and efsdp, from its own mesh) of size > 1 that
+    uses it (``experts``: the strategy's :attr:`experts_layout`). A dimension as large as the world shares the
     default group."""
     found: dict[str, tuple[str, int]] = {}
-    for dim, group in dim_groups(mesh, ("pp", "dp_replicate", "dp_shard", "tp", "dp")):
+    dims = [*dim_groups(mesh, ("pp", "dp_replicate", "dp_shard", "tp", "dp"))]
+    if experts is not None:
+        dims += dim_groups(experts.fsdp_mesh, ("efsdp",))
+        ep = experts.ep_mesh.get_group()  # may be another dimension's group too: its all-to-alls are expert parallel's
+        found[f"{ep.group_name}/all_to_all"] = ("ep", ep.size())
+    for dim, group in dims:
         if group.size() > 1:
             found.setdefault(group.group_name, (dim, group.size()))
     return found
@@ -70,7 +77,8 @@ def tally(entries: list[dict[str, Any]], groups: dict[str, tuple[str, int]]) -> 
     for entry in entries:
         kind = kind_of(str(entry.get("profiling_name", "")))
         name, desc = entry["process_group"]
-        dim, size = groups.get(name, ({"default_pg": "world"}.get(desc, desc or name), 1))
+        other = ({"default_pg": "world"}.get(desc, desc or name), 1)
+        dim, size = groups.get(f"{name}/{kind}") or groups.get(name, other)
         cell = table[dim][kind]
         cell[0] += 1
         cell[1] += entry_bytes(entry, kind, size)
@@ -93,6 +101,13 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
       of their exponentials, the target's logit), or under pp, where the plan's loss parallel becomes a gathered
       output, the logits all-gathered (``b s vocab``).
     * PP (``pp``): each micro-batch's activation and its gradient across each stage boundary this rank has.
+    * Mixture of experts: at ``ep`` 1 the experts are part of their block's unit. At ``ep`` > 1 they are FSDP units
+      of their own over ``efsdp`` (this rank's ``experts / ep``, gathered and reduced like the blocks), and per MoE
+      block and micro-batch the exchange's all-to-alls (``ep``): the pair counts (``experts`` int64), each pair's
+      row to its expert's rank and the result back, and the same two in backward (again in the recompute under
+      full checkpointing): ``4 x top_k x b s h`` when routing is balanced. A rank's own share depends on the
+      routing (it sends ``top_k x b s h`` and receives what the others route to its experts); the mean over the
+      ranks equals the figure.
     """
     from cuboid.planning.estimate import dtype_bytes, rank_params, rank_stages
 
@@ -100,8 +115,11 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     rs = "all_reduce" if backend == "gloo" else "reduce_scatter"
     sharded, replicated, _, blocks = rank_params(shape, setup)[pp_rank]
     stage = sharded / setup.tp + replicated
-    block = shape.block_tp / setup.tp + shape.block_norms
+    block = shape.block_tp / setup.tp + shape.block_norms + shape.block_router + shape.block_experts
     out: dict[str, dict[str, float]] = {}
+    if shape.experts and setup.ep > 1:  # the experts leave the blocks' units for their own, over efsdp
+        stage, block = stage - blocks * shape.block_experts, block - shape.block_experts
+        out.update(_experts_terms(shape, setup, blocks, c, r, rs))
     if setup.dp_shard > 1:
         backward = 0 if setup.pp > 1 else (blocks - 1) * block
         out["dp_shard"] = {"all_gather": (stage + backward) * c, rs: stage * r}
@@ -129,6 +147,21 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     return out
 
 
+def _experts_terms(shape: Any, setup: Any, blocks: int, c: int, r: int, rs: str) -> dict[str, dict[str, float]]:
+    """Expert parallel's part of :func:`expected`: the experts' own FSDP units over efsdp, and the all-to-alls."""
+    out: dict[str, dict[str, float]] = {}
+    local = shape.block_experts / setup.ep  # one block's experts on this rank
+    efsdp = setup.dp_shard * setup.cp // setup.ep
+    if efsdp > 1:
+        backward = 0 if setup.pp > 1 else (blocks - 1) * local
+        out["efsdp"] = {"all_gather": (blocks * local + backward) * c, rs: blocks * local * r}
+    tokens = setup.batch / setup.m * setup.seq / setup.cp  # this rank's tokens of one micro-batch
+    exchanges = 3 if setup.ac == "full" else 2  # forward, backward, and the recompute's forward
+    per_block = exchanges * (2 * tokens * shape.top_k * shape.dim * c) + (exchanges - 1) * 8 * shape.experts
+    out["ep"] = {"all_to_all": per_block * blocks * setup.m}
+    return out
+
+
 class CommLedger(L.Callback):
     """Records every optimizer step's collectives (see the module docstring). ``log``: send them to the loggers on
     logging steps (rank 0)."""
@@ -153,7 +186,8 @@ class CommLedger(L.Callback):
             mesh = trainer.strategy.device_mesh
         except (AttributeError, AssertionError, RuntimeError):  # not a mesh strategy
             mesh = None
-        self._groups = mesh_groups(mesh) if mesh is not None else {}
+        experts = getattr(trainer.strategy, "experts_layout", None)
+        self._groups = mesh_groups(mesh, experts) if mesh is not None else {}
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
 

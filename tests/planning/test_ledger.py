@@ -68,6 +68,32 @@ def test_pipeline_send_recv_bytes_equal_the_analytic_figure(comm) -> None:
 
 
 @pytest.mark.slow
+def test_expert_parallel_all_to_all_bytes_equal_the_analytic_figure(comm) -> None:
+    """Cuboid's Llama with 4 experts per block (top-2) at ep2 on 2 ranks: per MoE block the exchange's 5 all-to-alls
+    (the pair counts, the rows out and back, both again in backward), their bytes averaged over the ranks equal
+    ``4 x top_k x b s h`` plus the counts exactly; the blocks' FSDP units no longer carry the experts."""
+    rows = {(r["dim"], r["kind"]): r for r in comm["moe-ep2"]["pp rank 0"]}
+    a2a = rows["ep", "all_to_all"]
+    assert a2a["count"] == 4 * 5 and a2a["ratio"] == pytest.approx(1.0, abs=1e-9), a2a
+    assert rows["dp_shard", "all_gather"]["ratio"] == pytest.approx(1.0, abs=1e-9)
+    assert rows["dp_shard", "all_reduce"]["ratio"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_experts_fsdp_over_efsdp_bytes_equal_the_analytic_figure(tmp_path: Path) -> None:
+    """ep2 inside dp_shard 4: each rank's 2 experts per block are FSDP units over the 2 ranks holding the same
+    experts (efsdp), gathered in forward and in backward but the last block's, reduced once each."""
+    out = tmp_path / "comm4.json"
+    run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "4", "--only",
+                 "moe-ep2-in-dp4", "--out", str(out)], timeout=600, env=worker_env())  # fmt: skip
+    (result,) = json.loads(out.read_text())["results"]
+    rows = {(r["dim"], r["kind"]): r for r in result["per_stage"]["pp rank 0"]}
+    assert rows["efsdp", "all_gather"]["count"] == 4 + 3 and rows["efsdp", "all_reduce"]["count"] == 4, rows
+    for key in [("efsdp", "all_gather"), ("efsdp", "all_reduce"), ("ep", "all_to_all"), ("dp_shard", "all_gather")]:
+        assert rows[key]["ratio"] == pytest.approx(1.0, abs=1e-9), (key, rows[key])
+
+
+@pytest.mark.slow
 def test_debug_preset_logs_the_ledger_to_wandb(tmp_path: Path) -> None:
     from wandb_records import history, read_records
 
