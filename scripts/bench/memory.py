@@ -3,6 +3,7 @@
     python scripts/bench.py --suite memory             # every layout, then the table and docs/bench/memory.png
     python scripts/bench.py --suite memory --world 2   # only the 2-process layouts
     python scripts/bench.py --suite memory --cp        # only the context-parallel rows: cp 1, 2, 4
+    python scripts/bench.py --suite memory --moe       # only the mixture-of-experts rows: ep 1, 2, 4 on 4 ranks
 
 A benchmark, not a test. One Llama (8 blocks, dim 256, vocab 2048: 7.3 M parameters) trains 3 steps of 4
 sequences x 128 tokens per data-parallel rank (weak scaling: the work per rank stays the same) under FSDP at
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import weakref
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,12 @@ CP_LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
     1: [("FSDP", "32-true", {})],
     2: [("CP", "32-true", {"context_parallel": 2})],
     4: [("CP", "32-true", {"context_parallel": 4})],
+}
+# Mixture of experts (--moe): the same Llama with 8 experts of width 256 per block (top-2), FSDP over 4 ranks,
+# the experts split over ep = 1, 2, 4 of them.
+MOE_CFG = replace(CFG, n_experts=8, top_k=2, moe_ffn_dim=256)
+MOE_LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
+    4: [(f"MoE ep{ep}", "32-true", {"expert_parallel": ep}) for ep in (1, 2, 4)],
 }
 LAYOUTS[2].append(CP_LAYOUTS[2][0])
 LAYOUTS[4].append(CP_LAYOUTS[4][0])
@@ -115,12 +123,17 @@ class Measure(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.fsdp import FSDPModule
 
+        for module in pl_module.modules():  # MoE: what one layer's experts hold while they compute
+            if hasattr(module, "num_experts") and hasattr(module, "down_proj"):
+                module.register_forward_pre_hook(self._experts_hook)
         units = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
         nested = {n for n, _ in units}
         for name, unit in units:
             own = [pn for pn, _ in unit.named_parameters()
                    if not any(f"{name}.{pn}".startswith(f"{o}.") for o in nested if o != name and o.startswith(name))]  # fmt: skip
-            kind = "block" if name.rsplit(".", 1)[-1].isdigit() else "root"
+            kind = (
+                "block" if name.rsplit(".", 1)[-1].isdigit() else "experts" if hasattr(unit, "num_experts") else "root"
+            )
             unit.register_forward_pre_hook(self._gathered_hook(kind, own))
 
     def _gathered_hook(self, kind: str, names: list[str]):
@@ -130,6 +143,10 @@ class Measure(L.Callback):
             self.gathered[kind] = max(self.gathered.get(kind, 0), sum(local_nbytes(p) for p in params))
 
         return hook
+
+    def _experts_hook(self, module: torch.nn.Module, args: Any) -> None:
+        held = sum(local_nbytes(p) for p in module.parameters(recurse=False))
+        self.gathered["experts_layer"] = max(self.gathered.get("experts_layer", 0), held)
 
     def _live_param_storages(self) -> set[int]:
         """Storages of the gathered parameters now (FSDP frees them after use: an address alone may be reused)."""
@@ -178,7 +195,7 @@ def persistent_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return held["params"] + max(held["grads"], held["params"]) + held["optim"]  # freed gradients counted as held
 
 
-def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str, Any]:
+def run_layout(label: str, precision: str, kwargs: dict, world: int, cfg: LlamaConfig = CFG) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     measure = Measure()
     strategy = CuboidStrategy(timeout=timedelta(seconds=120), **kwargs)
@@ -189,26 +206,29 @@ def run_layout(label: str, precision: str, kwargs: dict, world: int) -> dict[str
     tokens = torch.randint(
         0, CFG.vocab_size, (BATCH * STEPS * layout.dp, SEQ + 1), generator=torch.Generator().manual_seed(0)
     )
-    module = CausalLM(model=CFG, warmup_steps=1, max_steps=STEPS)
+    module = CausalLM(model=cfg, warmup_steps=1, max_steps=STEPS)
     trainer.fit(module, DataLoader(tokens, batch_size=BATCH))
+    shards = sum(local_nbytes(p) for n, p in module.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
     return {"layout": label, "precision": precision, "world": world, "cp": layout.cp, "peak": max(measure.peaks[1:]),
             "persistent": persistent_bytes(module, trainer.optimizers[0]), "saved": max(measure.saved[1:]),
             "saved_fp32": max(measure.saved_fp32[1:]),
-            "gathered_block": measure.gathered.get("block", 0), "gathered_root": measure.gathered.get("root", 0)}  # fmt: skip
+            "gathered_block": measure.gathered.get("block", 0), "gathered_root": measure.gathered.get("root", 0),
+            "experts_shards": shards, "experts_layer": measure.gathered.get("experts_layer", 0)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     results = []
-    for label, precision, kwargs in (CP_LAYOUTS if args.cp else LAYOUTS)[world]:
-        one = run_layout(label, precision, kwargs, world)
+    for label, precision, kwargs in (MOE_LAYOUTS if args.moe else CP_LAYOUTS if args.cp else LAYOUTS)[world]:
+        one = run_layout(label, precision, kwargs, world, MOE_CFG if args.moe else CFG)
         per_rank: list = [None] * world
         if dist.is_initialized():
             dist.all_gather_object(per_rank, one)
         else:
             per_rank = [one]
         results.append({**one, **{k: max(r[k] for r in per_rank) for k in ("peak", "persistent", "saved", "saved_fp32",
-                                                                           "gathered_block", "gathered_root")},
+                                                                           "gathered_block", "gathered_root",
+                                                                           "experts_shards", "experts_layer")},
                         "total": max(r["peak"] + r["persistent"] for r in per_rank)})  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.part).write_text(json.dumps(results))
@@ -251,6 +271,24 @@ def cp_table(results: list[dict[str, Any]]) -> str:
         lines.append(f"{cp:>3}{r['saved'] / mib:>23.2f}{base['saved'] / cp / mib:>14.2f}"
                      f"{r['saved'] * cp / base['saved']:>7.2f}{r['peak'] / mib:>15.2f}{base['peak'] / cp / mib:>14.2f}"
                      f"{r['peak'] * cp / base['peak']:>7.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def moe_table(results: list[dict[str, Any]]) -> str:
+    """Per rank, at ep 1, 2, 4 on 4 ranks: the experts' shards (in the persistent bytes: FSDP already splits them
+    over the 4 ranks, ep only changes which), one layer's experts while they compute (all 8 gathered at ep 1,
+    8 / ep at ep), against 1/ep of ep 1's, and the persistent and peak totals."""
+    base = next((r for r in results if r["layout"] == "MoE ep1"), None)
+    if base is None:
+        return "(no ep 1 row)"
+    mib = 2**20
+    lines = [f"{'layout':<10}{'expert shards MiB':>18}{'one layer computing MiB':>25}{'1/ep of ep1':>13}{'ratio':>7}"
+             f"{'persistent MiB':>16}{'step peak MiB':>15}"]  # fmt: skip
+    for r in sorted(results, key=lambda r: r["layout"]):
+        ep = int(r["layout"].rsplit("ep", 1)[1])
+        lines.append(f"{r['layout']:<10}{r['experts_shards'] / mib:>18.2f}{r['experts_layer'] / mib:>25.2f}"
+                     f"{base['experts_layer'] / ep / mib:>13.2f}{r['experts_layer'] * ep / base['experts_layer']:>7.2f}"
+                     f"{r['persistent'] / mib:>16.2f}{r['peak'] / mib:>15.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -309,9 +347,15 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = per_world_parser(__doc__, "1, 2, 4 or 8", "docs/bench/memory.json")
     parser.add_argument("--cp", action="store_true", help="only the context-parallel rows (cp 1, 2, 4)")
+    parser.add_argument("--moe", action="store_true", help="only the mixture-of-experts rows (ep 1, 2, 4 on 4 ranks)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
+        return
+    if args.moe:
+        results = launch_per_world(__file__, "memory", [4], ["--moe"])
+        print(moe_table(results))
+        write_results(args.out.replace("memory.json", "memory_moe.json"), {"batch": BATCH, "seq": SEQ}, results)
         return
     if args.cp:
         results = launch_per_world(__file__, "memory", args.world or sorted(CP_LAYOUTS), ["--cp"])
