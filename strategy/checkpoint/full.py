@@ -260,7 +260,7 @@ class _MappedReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         entries: dict[str, Any] = {}
         for key, value in self.flat.items():
-            if torch.is_tensor(value):
+            if torch.is_tensor(value) or hasattr(value, "region"):  # (a PackedExperts: built region by region)
                 chunk = ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())
                 entries[key] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), value.size(), [chunk])
             else:
@@ -276,9 +276,12 @@ class _MappedReader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(item, buf)
                 continue
-            source = value
-            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-                source = source.narrow(dim, offset, length)
+            if hasattr(value, "region"):  # a PackedExperts: only the experts of this region are read
+                source = value.region(item.storage_offsets, item.lengths)
+            else:
+                source = value
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    source = source.narrow(dim, offset, length)
             target = planner.resolve_tensor(item).detach()
             target.copy_(source)
             planner.commit_tensor(item, target)

@@ -16,10 +16,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from cuboid.checkpoint.packed import PackedExperts, per_expert_keys, saved_name
 
 # safetensors dtype names: those Cuboid reads into floating-point parameters (cast to the parameter's dtype), then
 # every name it maps to a torch dtype (and back, for DCP metadata and a full file).
@@ -44,6 +47,7 @@ class Source:
     files: list[Path] = field(default_factory=list)
     config: dict | None = None
     mapped: dict[str, torch.Tensor] | None = None  # the full-format file's tensors, memory-mapped
+    packed: dict[str, list[list[str]]] = field(default_factory=dict)  # packed experts key -> its per-expert keys
 
 
 def open_source(path: str | Path, what: str) -> Source:
@@ -176,6 +180,11 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
         candidates["1:1"] = {name: name for name in tensors}
         candidates["prefixed"] = {name: prefix + name for name in tensors}
     label, keys = max(candidates.items(), key=lambda kv: sum(k in source.tensors for k in kv[1].values()))
+    if source.kind == "safetensors":  # transformers' save format: renamed blocks, experts one by one
+        keys.update(
+            {n: saved for n, k in keys.items() if k not in source.tensors and (saved := saved_name(k, source.tensors))}
+        )
+        _find_packed_experts(source, {keys[n]: t for n, t in tensors.items()})
     # A tied name absent from the file (Hugging Face saves one of them) reads its group's first present key.
     for names in groups.values():
         present = next((keys[n] for n in names if keys[n] in source.tensors), None)
@@ -213,6 +222,23 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
     return Plan(submodule, source, keys)
 
 
+def _find_packed_experts(source: Source, wanted: dict[str, torch.Tensor]) -> None:
+    """Packed experts parameters the file keeps one expert at a time (transformers' save format): listed in
+    ``source.tensors`` under the packed key, with the shape they make, and their per-expert keys kept."""
+    for key, tensor in wanted.items():
+        if key in source.tensors or tensor.dim() != 3:
+            continue
+        recipe = per_expert_keys(key, tensor.shape[0], source.tensors)
+        if recipe is None:
+            continue
+        rows = sum(source.tensors[k][0][0] for k in recipe[0])
+        source.tensors[key] = (
+            (len(recipe), rows, *source.tensors[recipe[0][0]][0][1:]),
+            source.tensors[recipe[0][0]][1],
+        )
+        source.packed[key] = recipe
+
+
 def _missing_and_unexpected(
     source: Source,
     keys: dict[str, str],
@@ -221,8 +247,8 @@ def _missing_and_unexpected(
     prefix: str,
     problems: list[str],
 ) -> None:
-    wanted = set(keys.values())
-    pool = [k for k in source.tensors if k.startswith(prefix)]
+    wanted = set(keys.values()) | {k for recipe in source.packed.values() for ks in recipe for k in ks}
+    pool = [k for k in source.tensors if k.startswith(prefix) and k not in source.packed]
     ignorable = {prefix + t for t in transient} | set(transient)  # old files carry e.g. rotary inv_freq
     missing = [keys[names[0]] for names in groups.values() if keys[names[0]] not in source.tensors]
     unexpected = [k for k in pool if k not in wanted and k not in ignorable]
@@ -282,9 +308,11 @@ def _load_safetensors(source: Source, state: dict[str, torch.Tensor]) -> None:
     reads one file that sits among others (that reader takes every ``.safetensors`` of a directory)."""
     from cuboid.checkpoint.full import _MappedReader
 
-    mapped: dict[str, torch.Tensor] = {}
+    mapped: dict[str, Any] = {}
     for file in source.files:
         mapped.update(mmap_safetensors(file))
+    for key, recipe in source.packed.items():  # read region by region: each rank its own experts
+        mapped[key] = PackedExperts([[mapped[k] for k in ks] for ks in recipe])
     dcp.load({f"w.{k}": v for k, v in state.items()}, storage_reader=_MappedReader({"w": mapped}))
 
 

@@ -371,3 +371,55 @@ def test_unknown_submodule(tiny_hf: Path, tmp_path: Path) -> None:
 def test_bf16_file_is_accepted_and_cast(tmp_path: Path, tiny_hf: Path) -> None:
     src = _rewrite(tiny_hf, tmp_path / "m", lambda s: {k: v.to(torch.bfloat16) for k, v in s.items()})
     plan_submodule(Holder(), "model", src)  # no error: cast to the fp32 parameters when read
+
+
+@pytest.mark.parametrize("family", ["hf_qwen3_moe", "hf_mixtral"])
+def test_experts_saved_one_by_one_fill_the_packed_parameters(family: str, tmp_path: Path) -> None:
+    """transformers saves packed experts one expert at a time (Qwen3-MoE ``mlp.experts.{e}.gate_proj``/``up_proj``/
+    ``down_proj``, Mixtral ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``), as the Hub's files hold them: planned
+    and loaded into a model built on meta, every tensor equals what transformers' own loader builds."""
+    import lightning as L
+    from transformers import AutoModelForCausalLM
+
+    from cuboid.checkpoint import pretrained as loader
+
+    torch.manual_seed(PRETRAINED_SEED)
+    third_party.build_model(family).save_pretrained(tmp_path)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = third_party.build_model(family)
+
+    lm = Module()
+    lm.model.to_empty(device="cpu")
+    plan = loader.plan_submodule(lm, "model", tmp_path)
+    assert set(plan.source.packed) == {f"model.layers.{i}.mlp.experts.{p}" for i in range(4)
+                                       for p in ("gate_up_proj", "down_proj")}  # fmt: skip
+    loader.load(lm, plan)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    ours = lm.model.state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+
+
+def test_a_region_of_packed_experts_reads_only_its_experts() -> None:
+    """What one rank of an expert-parallel layout asks for (experts 2 and 3 of 4, half the columns): experts 0
+    and 1 are never read (they sit on the meta device here, where any read would fail)."""
+    from cuboid.checkpoint.packed import PackedExperts, per_expert_keys
+
+    gate = [torch.randn(3, 4) for _ in range(4)]
+    up = [torch.randn(3, 4) for _ in range(4)]
+    parts = [[g.to("meta"), u.to("meta")] if e < 2 else [g, u] for e, (g, u) in enumerate(zip(gate, up, strict=True))]
+    packed = PackedExperts(parts)
+    assert packed.size() == (4, 6, 4)
+    region = packed.region([2, 0, 2], [2, 6, 2])
+    want = torch.stack([torch.cat([gate[e], up[e]])[:, 2:4] for e in (2, 3)])
+    assert torch.equal(region, want)
+    keys = {f"m.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(2) for w in ("w1", "w2", "w3")}
+    assert per_expert_keys("m.layers.0.mlp.experts.gate_up_proj", 2, keys) == [
+        [f"m.layers.0.block_sparse_moe.experts.{e}.w1.weight", f"m.layers.0.block_sparse_moe.experts.{e}.w3.weight"]
+        for e in range(2)
+    ]
+    assert per_expert_keys("m.layers.0.mlp.experts.gate_up_proj", 3, keys) is None  # expert 2 is not there

@@ -36,13 +36,30 @@ TABLE: dict[str, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-MoE saved by transformers (``save_pretrained``) from other weights than every run starts from."""
+    path = tmp_path_factory.mktemp("qwen3_moe_pretrained")
+    torch.manual_seed(1234)
+    third_party.build_model("hf_qwen3_moe").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[dict[str, dict]]:
     out = tmp_path_factory.mktemp("ep")
     ckpt = [
         {"name": "ep2-save", "strategy": EP2, **SAVE, "save_dir": str(out / "ep2")},
         {"name": "dp2-from-ep2", "strategy": {}, **QWEN, "resume_from": str(out / "ep2" / "step=6.ckpt")},
         {"name": "dp2-save", "strategy": {}, **SAVE, "save_dir": str(out / "dp2")},
         {"name": "ep2-from-dp2", "strategy": EP2, **QWEN, "resume_from": str(out / "dp2" / "step=6.ckpt")},
+        # built on meta, each rank's experts filled from the safetensors file
+        {
+            "name": "ep2-pretrained",
+            "strategy": {**EP2, "pretrained": {"model": str(pretrained)}},
+            "meta_init": True,
+            **QWEN,
+            "max_steps": STEPS,
+        },
     ]
     for world in (2, 4):
         specs = [
@@ -51,7 +68,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             if w == world
         ]
         torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt if world == 2 else [])))
-    yield {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
+    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
+    got["ep2-checkpoint"] = out / "ep2" / "step=6.ckpt"
+    yield got
     print("\nexpert parallel parity (max relative loss error, max absolute parameter error):")
     for name, (rel, err) in TABLE.items():
         print(f"  {name:30s} {rel:.1e} {err:.1e}")
@@ -132,3 +151,30 @@ def test_expert_load_is_logged_on_logging_steps_as_the_routers_chose(name: str, 
         got = {k: row[k] for k in expected}
         assert got == pytest.approx(expected, rel=1e-6), (name, step, at, got, expected)
         assert got["moe/load_imbalance"] > 1.0  # routed unevenly
+
+
+@pytest.mark.slow
+def test_pretrained_weights_fill_each_ranks_experts(results, pretrained: Path) -> None:
+    """``pretrained=`` a transformers directory at ep2, the model built on meta: the run equals one process started
+    from those weights (each rank's experts are its slice of the file's packed tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(pretrained).state_dict()
+    ref = third_party.reference_run("hf_qwen3_moe", dp=2, steps=STEPS, max_norm=QWEN["clip"], initial=initial)
+    rel, err = parity_errors(results["ep2-pretrained"], ref)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+
+
+@pytest.mark.slow
+def test_an_ep2_checkpoint_exports_to_a_transformers_directory(results, pretrained: Path, tmp_path: Path) -> None:
+    """``python -m cuboid.export CKPT OUT --config DIR`` on the checkpoint saved at ep2 (each rank its experts):
+    ``from_pretrained(OUT)`` holds the single-process reference's weights after the same 6 steps."""
+    from transformers import AutoModelForCausalLM
+
+    run_checked([sys.executable, "-m", "cuboid.export", str(results["ep2-checkpoint"]), str(tmp_path / "hf"),
+                 "--config", str(pretrained)], timeout=120)  # fmt: skip
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    ref = third_party.reference_run("hf_qwen3_moe", dp=2, steps=6, max_norm=QWEN["clip"])
+    err = max((exported[k[len("model.") :]] - v).abs().max().item() for k, v in ref.params.items())
+    assert err <= PARAM_ATOL, err
+    assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert, whatever the layout
