@@ -126,6 +126,13 @@ TP_PLAN: dict[str, str] = {
     "norm": "sequence_parallel",
     "output": "loss_parallel",
 }
+# A mixture-of-experts Llama (LlamaConfig(n_experts=...)): attention as above; each block's MoE feed-forward runs
+# whole on every tp rank on the gathered sequence (its router and experts are not split over tp; expert parallel
+# splits the experts over other ranks), its output split back along the sequence.
+TP_PLAN_MOE: dict[str, str] = {
+    **{k: v for k, v in TP_PLAN.items() if not k.startswith("layers.*.feed_forward")},
+    "layers.*.feed_forward": "replicated_sequence",
+}
 # The same split of the weights with replicated activations and gathered (plain) logits: every rank holds the whole
 # sequence between the blocks' projections, and ``self.model(x)`` returns a plain tensor.
 TP_PLAN_NO_SP: dict[str, str] = {
@@ -254,12 +261,11 @@ class Llama(nn.Module):
     when ``norm``/``output`` are ``None`` the hidden state is returned as is.
     """
 
-    tp_plan = TP_PLAN
-
     def __init__(self, cfg: LlamaConfig | str = "debug") -> None:
         super().__init__()
         self.cfg = CONFIGS[cfg] if isinstance(cfg, str) else cfg
         c = self.cfg
+        self.tp_plan = TP_PLAN_MOE if c.n_experts else TP_PLAN
         # init_weights() below is the one source of initial values. Layers draw default inits while
         # they are built; rewind the RNG so a model built here gets exactly what init_weights() alone
         # gives from this RNG state (as when Cuboid materializes a meta-device model).

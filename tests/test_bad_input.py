@@ -418,10 +418,10 @@ CASES.update(
             LayoutError,
             r"expert_parallel=3 must divide data_parallel_shard \(4\) x context_parallel \(1\) = 4",
         ),
-        "expert parallel composed with tensor, pipeline or context parallel": (
-            lambda: CuboidStrategy(expert_parallel=2, tensor_parallel=2).layout.resolve(4),
+        "expert parallel composed with pipeline or context parallel": (
+            lambda: CuboidStrategy(expert_parallel=2, pipeline_parallel=2).layout.resolve(4),
             LayoutError,
-            r"expert_parallel=2 with tensor_parallel=2 is not supported yet",
+            r"expert_parallel=2 with pipeline_parallel=2 is not supported yet",
         ),
         "an expert_parallel that does not divide the experts": (
             lambda: expert_block(6, 4, 0),

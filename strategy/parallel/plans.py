@@ -118,6 +118,36 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
         )
 
 
+def usable_model_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """A model's own plan as it applies to this model (a user's plan is taken as written):
+
+    * an MoE model's entries that would split its packed experts over tp (transformers' ``moe_tp_experts``,
+      ``packed_colwise``, and the ``rowwise`` it gives ``experts.down_proj``) are left out: Cuboid keeps each MoE
+      layer's experts whole on every tp rank (split over ``expert_parallel`` ranks instead, if asked) and runs
+      them on the whole batch there, the router (replicated) choosing alike on every tp rank;
+    * and so are, in an MoE model, entries for module kinds it does not have (Qwen3-MoE's plan also covers dense
+      layers, ``mlp.gate_proj``, that a config without ``mlp_only_layers`` never builds), as transformers does.
+    """
+    experts = [name for name, m in root.named_modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]
+    if not experts:
+        return dict(plan)
+    names = [n for n, _ in root.named_modules() if n]
+    plan = {p: style for p, style in plan.items() if any(fnmatch.fnmatchcase(n, p) for n in names) or ".experts" in p}
+    inside = [*experts, *(f"{e}.{n}" for e in experts for n, _ in root.get_submodule(e).named_parameters())]
+
+    def splits_experts(pattern: str, style: str) -> bool:
+        if style.startswith(("moe_", "ep_", "grouped_", "packed_")):
+            return True
+        return any(fnmatch.fnmatchcase(name, pattern) for name in inside)
+
+    dropped = [p for p, style in plan.items() if splits_experts(p, style)]
+    if dropped:
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"Cuboid: the experts stay whole on every tp rank (left out of the tp plan: {dropped})")
+    return {p: style for p, style in plan.items() if p not in dropped}
+
+
 def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> dict[str, tuple[nn.Module, str]]:
     """The tensor-parallel plan that applies to ``root`` (a LightningModule) at this ``tp``, checked.
 
@@ -126,7 +156,9 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
     """
     if tp == 1:
         return {}
-    matched = match_plan(root, plan if plan is not None else find_model_plan(root))
+    if plan is None:
+        plan = usable_model_plan(root, find_model_plan(root))
+    matched = match_plan(root, plan)
     check_tp_divisibility(root, matched, tp)
     if not matched:
         raise PlanError(

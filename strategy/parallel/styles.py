@@ -22,6 +22,9 @@ embedding_sequence             Embedding: shard the vocabulary; lookups reduce-s
 rowwise_sequence               Linear: shard input features; output reduce-scattered along the sequence
 gather_sequence                a module whose first input is sequence-sharded (after a sequence-parallel
                                norm): all-gather it along the sequence before the module runs
+replicated_sequence            a module left whole on every tp rank (an MoE feed-forward) between
+                               sequence-parallel norms: its input all-gathered along the sequence and handed
+                               over as a local tensor, its output split back along the sequence
 loss_parallel                  Linear: shard output features and keep the logits vocabulary-sharded for
                                cross-entropy under torch's ``loss_parallel`` (the strategy enters it)
 replicated_with_grad_allreduce weights replicated, gradients summed over tp: a norm that sees only this
@@ -32,14 +35,16 @@ replicate                      leave the module replicated (nothing to do)
 =============================  ==========================================================================
 
 Mixture-of-experts and fused-expert styles (``moe_tp_experts``, ``moe_identity_expert``,
-``packed_colwise``, ``packed_rowwise``, ``mla_kv_a_proj``, ``ep_*``) are refused with a message:
-Cuboid does not shard experts.
+``packed_colwise``, ``packed_rowwise``, ``mla_kv_a_proj``, ``ep_*``) are refused with a message in a user's
+plan: Cuboid does not split experts over tp (a model's own plan loses those entries, see
+:func:`cuboid.parallel.plans.usable_model_plan`; ``expert_parallel`` splits experts over other ranks).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -64,6 +69,7 @@ STYLES: dict[str, str] = {
     "embedding_sequence": "shard the vocabulary of an nn.Embedding; output reduce-scattered along the sequence",
     "rowwise_sequence": "shard the input features; output reduce-scattered along the sequence (dim 1)",
     "gather_sequence": "all-gather the module's sequence-sharded first input before it runs",
+    "replicated_sequence": "run the module whole on the gathered sequence (local tensors), output split back",
     "loss_parallel": "shard the output features; logits stay vocabulary-sharded for a loss-parallel cross-entropy",
     "replicated_with_grad_allreduce": "weights replicated, gradients summed over tp (per-head norms)",
     "all_reduce": "all-reduce the module's partial output",
@@ -129,6 +135,8 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
         return RowwiseParallel(output_layouts=Shard(1))
     if name == "gather_sequence":
         return GatherSequence()
+    if name == "replicated_sequence":
+        return ReplicatedSequence()
     if name == "loss_parallel":
         return GatheredInputColwise(output_layouts=Shard(-1), use_local_output=False)
     if name == "replicated_with_grad_allreduce":
@@ -260,4 +268,27 @@ class GatherSequence(ParallelStyle):
             return (first.redistribute(device_mesh, [Replicate()]), *rest), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+class ReplicatedSequence(ParallelStyle):
+    """A module whole on every tp rank between sequence-parallel norms (Cuboid's MoE feed-forward): its first input
+    is all-gathered along the sequence (dim 1) and handed over as a local tensor, so its own parameters (plain,
+    the same on every tp rank) and its routing see the whole batch alike; its output, the same on every tp rank,
+    goes back as this rank's part of the sequence. Backward all-gathers the output's gradient and keeps this rank's
+    part of the input's: every rank computes the same full gradients, so nothing is summed over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            first, *rest = args
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
+            return (first.redistribute(device_mesh, [Replicate()]).to_local(), *rest), kwargs
+
+        def split(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            whole = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(device_mesh, [Shard(1)]).to_local()  # the residual stream is local
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_hook(split)
         return module

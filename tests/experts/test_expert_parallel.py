@@ -29,7 +29,18 @@ RUNS: dict[str, tuple[int, dict]] = {
     "hf_mixtral-ep2": (2, {"model": "hf_mixtral", "strategy": EP2}),
     "hf_qwen3_moe-ep2-in-dp_shard4": (4, {"model": "hf_qwen3_moe", "strategy": EP2}),
     "hf_qwen3_moe-ep2xhsdp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "data_parallel_replicate": 2}}),
+    # the model's own tp plan without its expert entries: experts whole on each tp rank (split over ep when asked)
+    "hf_qwen3_moe-tp2": (2, {"model": "hf_qwen3_moe", "strategy": {"tensor_parallel": 2}}),
+    "hf_mixtral-ep2xtp2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "tensor_parallel": 2}}),
 }
+
+
+def dp_of(name: str) -> int:
+    """The data-parallel ranks of a run (tp peers read the same batch)."""
+    world, spec = RUNS[name]
+    return world // spec["strategy"].get("tensor_parallel", 1)
+
+
 QWEN = {"model": "hf_qwen3_moe", "clip": third_party.clip("hf_qwen3_moe")}
 SAVE = {**QWEN, "max_steps": 7, "save_every": 6}
 TABLE: dict[str, tuple[float, float]] = {}
@@ -82,7 +93,7 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
     world, spec = RUNS[name]
     family = spec["model"]
     limit = third_party.clip(family)
-    ref = third_party.reference_run(family, dp=world, steps=STEPS, max_norm=limit)
+    ref = third_party.reference_run(family, dp=dp_of(name), steps=STEPS, max_norm=limit)
     clipped = [n > limit for n in ref.grad_norms]
     assert any(clipped) and not all(clipped), (name, ref.grad_norms)  # clipping is exercised, both ways
     got = results[name]
@@ -91,10 +102,12 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
     TABLE[name] = (rel, err)
     assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
     assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
-    # The experts are split over ep: each rank holds 2 of the 4 experts of every layer (then FSDP over efsdp).
+    # The experts are split over ep: each rank holds 2 of the 4 experts of every layer (then FSDP over efsdp);
+    # under tp they are not split over tp.
     for facts in got["ranks"]:
         experts = {k: v for k, v in facts["placements"].items() if k.endswith(("gate_up_proj", "down_proj"))}
-        assert experts and all("ep" in dims for dims, *_ in experts.values()), experts
+        split = "expert_parallel" in spec["strategy"]
+        assert experts and all(("ep" in dims) == split and "tp" not in dims for dims, *_ in experts.values()), experts
 
 
 @pytest.mark.slow
@@ -112,20 +125,28 @@ def test_checkpoints_move_between_ep2_and_ep1(name: str, saved: str, results) ->
 def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) -> None:
     """``python scripts/train.py model=moe_debug strategy.expert_parallel=2``: Cuboid's Llama with 4 experts per
     block (top-2, a shared expert, the load-balancing loss in the training loss) on 2 processes, each holding 2
-    experts, trains step for step as the same job with every expert on every rank (FSDP only)."""
+    experts, trains step for step as the same job with every expert on every rank (FSDP only); so does ep2 x tp2
+    on 4 processes (the MoE feed-forwards whole on each tp rank, between sequence-parallel norms)."""
     common = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4",
               "model=moe_debug", "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.log_every_n_steps=1",
               "trainer.enable_progress_bar=false", "logger=none"]  # fmt: skip
     runs = {}
-    for ep in (1, 2):
-        run = tmp_path / f"ep{ep}"
-        cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), *common, f"strategy.expert_parallel={ep}"]
+    for name, extra in {"ep1": ["strategy.expert_parallel=1"], "ep2": ["strategy.expert_parallel=2"],
+                        "ep2xtp2": ["strategy.expert_parallel=2", "strategy.tensor_parallel=2", "trainer.devices=4"]}.items():  # fmt: skip
+        run = tmp_path / name
+        cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), *common, *extra]
         run_checked([*cmd, f"hydra.run.dir={run}"], timeout=300, cwd=tmp_path)
-        runs[ep] = json.loads((run / "summary.json").read_text())
-    assert (runs[1]["layout"]["ep"], runs[2]["layout"]["ep"], runs[2]["world_size"]) == (1, 2, 2), runs[2]["layout"]
-    assert len(runs[2]["losses"]) == 6
-    assert runs[2]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-5)
-    assert runs[2]["val_ppl"] == pytest.approx(runs[1]["val_ppl"], rel=1e-5)
+        runs[name] = json.loads((run / "summary.json").read_text())
+    assert (runs["ep1"]["layout"]["ep"], runs["ep2"]["layout"]["ep"], runs["ep2"]["world_size"]) == (1, 2, 2)
+    assert (runs["ep2xtp2"]["layout"]["tp"], runs["ep2xtp2"]["layout"]["ep"], runs["ep2xtp2"]["world_size"]) == (
+        2,
+        2,
+        4,
+    )
+    for name in ("ep2", "ep2xtp2"):
+        assert len(runs[name]["losses"]) == 6
+        assert runs[name]["losses"] == pytest.approx(runs["ep1"]["losses"], rel=1e-5), name
+        assert runs[name]["val_ppl"] == pytest.approx(runs["ep1"]["val_ppl"], rel=1e-5), name
 
 
 @pytest.mark.slow
@@ -134,8 +155,10 @@ def test_expert_load_is_logged_on_logging_steps_as_the_routers_chose(name: str, 
     """CuboidMonitor's ``moe/*`` figures, as the logger received them, on logging steps only; each equals the
     figure computed from the single-process reference's own router choices (the same tokens, summed over the
     data-parallel ranks that read them)."""
-    world, spec = RUNS[name]
-    ref = third_party.reference_run(spec["model"], dp=world, steps=STEPS, max_norm=third_party.clip(spec["model"]))
+    spec = RUNS[name][1]
+    ref = third_party.reference_run(
+        spec["model"], dp=dp_of(name), steps=STEPS, max_norm=third_party.clip(spec["model"])
+    )
     logged = {int(row["step"]): row for row in results[name]["logged"] if "moe/load_imbalance" in row}
     assert len(logged) == len(range(0, STEPS, LOG_EVERY)), results[name]["logged"]
     for (at, row), step in zip(sorted(logged.items()), range(0, STEPS, LOG_EVERY), strict=True):
