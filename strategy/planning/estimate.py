@@ -130,7 +130,11 @@ def activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, c
         kept = 8 * bsh + 2 * bskv + 2 * bsf
     else:
         kept = 30 * bsh + 8 * bskv + 8 * bsf
-    return (kept + routed) * scale / tp
+    whole = 0.0
+    if shape.experts and ac != "full":  # an MoE feed-forward runs whole on every tp rank: its part is not split
+        whole = {"selective": 4, "selective_op": 2}.get(ac, 8) * bsf + routed
+        kept -= {"selective": 4, "selective_op": 2}.get(ac, 8) * bsf
+    return (kept / tp + whole) * scale
 
 
 def memory(shape: Shape, s: Setup) -> Memory:
@@ -243,7 +247,8 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     _, compute_b, reduce_b = dtype_bytes(s.precision)
     tokens_dp = s.batch * s.seq  # per data-parallel rank and step
     per_token = shape.flops_per_token(s.seq) + recompute_flops_per_token(shape, s)
-    flops = per_token * tokens_dp / (s.tp * s.pp * s.cp)
+    whole = 6 * shape.layers * (3 * shape.dim * shape.ffn_active + shape.experts * shape.dim) if shape.experts else 0
+    flops = ((per_token - whole) / s.tp + whole) * tokens_dp / (s.pp * s.cp)  # MoE feed-forwards whole on tp ranks
     math_kind = "fp32" if s.precision == "32-true" else "bf16"
     speed = hw.peak[math_kind] * efficiency * (compile_gain if s.compile else 1.0) * (fp8_gain if s.fp8 else 1.0)
     compute = flops / speed

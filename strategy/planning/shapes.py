@@ -113,10 +113,10 @@ class Shape:
 
     @property
     def block_tp(self) -> int:
-        """Parameters of a block that tensor parallelism shards (the projections, and q/k/v biases if any; of an
-        MoE block's feed-forward, the shared expert only)."""
+        """Parameters of a block that tensor parallelism shards (the projections, and q/k/v biases if any; none of
+        an MoE block's feed-forward, which Cuboid keeps whole on every tp rank: :attr:`block_experts`)."""
         bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        dense = self.shared_ffn if self.experts else self.ffn
+        dense = 0 if self.experts else self.ffn
         return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + 3 * self.dim * dense + bias
 
     @property
@@ -126,7 +126,8 @@ class Shape:
 
     @property
     def block_router(self) -> int:
-        return self.experts * self.dim
+        """An MoE block's router and shared expert (whole on every tp rank, like the experts)."""
+        return self.experts * self.dim + 3 * self.dim * self.shared_ffn
 
     @property
     def ffn_active(self) -> int:
