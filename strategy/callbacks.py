@@ -78,11 +78,16 @@ class CuboidMonitor(L.Callback):
         self._seq_len = 0
         self._pending_norm: torch.Tensor | None = None  # measured before the step when not clipping
         self._load: ExpertLoad | None = None
+        self._skip_first = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         load = ExpertLoad(pl_module)
         self._load = load if len(load) else None
+        pipelining = getattr(trainer.strategy, "pipelining", None)
+        # The first pipelined batch also runs each stage's shape inference (a forward of made-up inputs): no
+        # load figures from it.
+        self._skip_first = bool(getattr(pipelining, "enabled", False))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -101,7 +106,8 @@ class CuboidMonitor(L.Callback):
             self._tokens += count(batch)
             self._seq_len = batch.shape[1] - 1
         if self._load is not None:  # the forward passes of a step that logs (every microbatch of it)
-            self._load.on = self._log_now(trainer)
+            self._load.on = self._log_now(trainer) and not self._skip_first
+            self._skip_first = False
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:

@@ -31,7 +31,15 @@ def free_port() -> int:
 
 def worker_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "PYTHONFAULTHANDLER": "1",
+        }
+    )  # a worker that dies of a signal prints every thread's Python stack
     env.update(extra)
     return env
 

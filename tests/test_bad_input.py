@@ -19,7 +19,7 @@ from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, Pla
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.experts import expert_block
-from cuboid.models import Llama, LlamaConfig
+from cuboid.models import CausalLM, Llama, LlamaConfig
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
@@ -122,6 +122,31 @@ def _decoder_that_scales_embeddings_in_forward() -> None:
             self.model = transformers.AutoModelForCausalLM.from_config(config)
 
     lm = Module()
+    find_pipeline_split(lm, find_blocks(lm))
+
+
+def _load_balancing_loss_under_pipeline_parallel() -> None:
+    """transformers' Qwen3-MoE with output_router_logits=True (its loss adds the load-balancing loss), cut for pp2."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    )  # fmt: skip
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.device("meta"):
+                self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    lm = Module()
+    find_pipeline_split(lm, find_blocks(lm))
+
+
+def _cuboid_moe_under_pipeline_parallel() -> None:
+    lm = CausalLM(model="moe_debug")
+    lm.configure_model()
     find_pipeline_split(lm, find_blocks(lm))
 
 
@@ -418,10 +443,21 @@ CASES.update(
             LayoutError,
             r"expert_parallel=3 must divide data_parallel_shard \(4\) x context_parallel \(1\) = 4",
         ),
-        "expert parallel composed with pipeline or context parallel": (
-            lambda: CuboidStrategy(expert_parallel=2, pipeline_parallel=2).layout.resolve(4),
+        "a load-balancing loss under pipeline parallel": (
+            _load_balancing_loss_under_pipeline_parallel,
+            PipelineError,
+            r"adds a load-balancing loss \(config.output_router_logits=True.* no pipeline stage holds.*"
+            r"output_router_logits=False",
+        ),
+        "Cuboid's MoE load-balancing loss under pipeline parallel": (
+            _cuboid_moe_under_pipeline_parallel,
+            PipelineError,
+            r"adds a load-balancing loss over its MoE layers \(aux_loss_coef=0.01\).* aux_loss_coef=0",
+        ),
+        "expert parallel composed with context parallel": (
+            lambda: CuboidStrategy(expert_parallel=2, context_parallel=2).layout.resolve(4),
             LayoutError,
-            r"expert_parallel=2 with pipeline_parallel=2 is not supported yet",
+            r"expert_parallel=2 with context_parallel=2 is not supported yet",
         ),
         "an expert_parallel that does not divide the experts": (
             lambda: expert_block(6, 4, 0),

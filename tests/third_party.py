@@ -18,11 +18,11 @@ from torchmetrics import MeanMetric
 FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf_qwen3_moe", "hf_mixtral")
 # Mixture-of-experts families: their loss adds the router's load-balancing loss (output_router_logits), which is
 # not linear in the batch, so data-parallel training's loss is the mean of the ranks' own (see reference_run).
-MOE = ("hf_qwen3_moe", "hf_mixtral")
+MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
 # Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
-        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7}  # fmt: skip
+        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -55,7 +55,8 @@ def hf_config(family: str):
         )
     # 4 experts, top-2, every layer sparse, the load-balancing loss in .loss at a weight where it matters
     moe = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
-    if family == "hf_qwen3_moe":
+    if family in ("hf_qwen3_moe", "hf_qwen3_moe_noaux"):  # _noaux: without the load-balancing loss (as under pp)
+        moe["output_router_logits"] = family == "hf_qwen3_moe"
         return transformers.Qwen3MoeConfig(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
             moe_intermediate_size=32, norm_topk_prob=True, **moe, **small,

@@ -49,7 +49,7 @@ class ExpertLoad:
 
     def _hook(self, i: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            index = _top_k_index(args, kwargs) if self.on else None
+            index = _top_k_index(args, kwargs) if self.on and torch.is_grad_enabled() else None
             if index is None:
                 return
             e = module.num_experts

@@ -115,6 +115,14 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             "transformers decoder does), or a model written for Cuboid's pipeline contract (docs/pipeline.md)."
         )
     config = getattr(base, "config", None)
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
+        raise DecoderSplitError(
+            f"{type(owner).__name__} adds a load-balancing loss (config.output_router_logits=True, "
+            f"router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}): transformers computes it from "
+            "every layer's router logits at once, which no pipeline stage holds. Train without it under pipeline "
+            "parallel (config.output_router_logits=False), or use pipeline_parallel=1 (expert_parallel and "
+            "tensor_parallel keep it)."
+        )
     base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
     at = base_order.index(attr)
     prefix = f"{base_path}." if base_path else ""
@@ -208,22 +216,25 @@ class _StageInfo:
 
 
 class _FixedOutput(nn.Module):
-    """Stands in for the base model inside the outer model's forward: returns the hidden states already computed."""
+    """Stands in for the base model inside the outer model's forward: returns what the stage's base model already
+    returned (its own output type: an MoE model's carries ``router_logits``, which its outer forward reads)."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, output: Any) -> None:
         super().__init__()
-        self.hidden = hidden
+        self.output = output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(self.output, "last_hidden_state"):
+            return self.output
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return BaseModelOutputWithPast(last_hidden_state=self.output[0])
 
 
 @contextmanager
-def _base_replaced(stage: nn.Module, base: str, hidden: torch.Tensor) -> Iterator[None]:
+def _base_replaced(stage: nn.Module, base: str, output: Any) -> Iterator[None]:
     real = stage._modules[base]
-    stage._modules[base] = _FixedOutput(hidden)
+    stage._modules[base] = _FixedOutput(output)
     try:
         yield
     finally:
@@ -243,7 +254,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Ten
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if not info.last or not info.base:
         return hidden
-    with _base_replaced(self, info.base, hidden):
+    with _base_replaced(self, info.base, out):
         return type(self).forward(self, use_cache=False).logits
 
 

@@ -91,6 +91,13 @@ def find_pipeline_split(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
             f"{owner_name} holds parameters directly; move them into a submodule so a stage can own them."
         )
     container = owner.get_submodule(container_name)
+    cfg = getattr(owner, "cfg", None)  # Cuboid's Llama: an MoE whose load-balancing loss CausalLM adds
+    if getattr(cfg, "n_experts", 0) and getattr(cfg, "aux_loss_coef", 0):
+        raise PipelineError(
+            f"{owner_name} adds a load-balancing loss over its MoE layers (aux_loss_coef={cfg.aux_loss_coef}), "
+            "collected from every layer's router, which no pipeline stage holds all of. Train it without under "
+            "pipeline parallel (LlamaConfig aux_loss_coef=0, Hydra model.aux_loss_coef=0), or use pipeline_parallel=1."
+        )
     if "." not in container_name and isinstance(container, nn.ModuleDict):  # Cuboid's pipeline contract
         names = [n for n, _ in owner.named_children()]
         at = names.index(container_name)

@@ -217,7 +217,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("fail_save"):  # a full disk on one rank, injected at the storage writer (said as such)
         strategy.checkpointer.storage_writer = failing_writer(**spec["fail_save"])
     family = spec.get("model", "llama")
-    if family in third_party.FAMILIES:
+    if family.startswith("hf_"):  # third_party's families (and their variants, e.g. hf_qwen3_moe_noaux)
         module: L.LightningModule = third_party.HFModule(family, meta_init=spec.get("meta_init", False))
         dataset = third_party.dataset(family, spec.get("samples", 96), spec.get("padded", False), spec.get("seq", SEQ))
         clip = third_party.clip(family, spec.get("padded", False))
