@@ -123,8 +123,8 @@ def layouts(
 
 def expert_degrees(shape: Shape, pp: int, shard: int, tp: int, cp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for an MoE model each divisor of ``dp_shard`` (> 1) that divides its
-    experts, where Cuboid composes them (not yet with pp or cp)."""
-    if not shape.experts or pp > 1 or cp > 1:
+    experts, where Cuboid composes them (not yet with cp)."""
+    if not shape.experts or cp > 1:
         return [1]
     return [ep for ep in divisors(shard) if shape.experts % ep == 0]
 

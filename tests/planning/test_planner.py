@@ -207,7 +207,8 @@ def test_expert_parallel_cuts_the_gathered_experts_not_the_persistent_shards() -
     options = plan(shape, nodes=1, gpus_per_node=8, gpu="h100", seq=4096)
     assert {o.setup.ep for o in options if o.setup.tp == 1 and o.setup.pp == 1 and o.setup.cp == 1} == {1, 2, 4, 8}
     assert {o.setup.ep for o in options if o.setup.tp == 2 and o.setup.pp == 1 and o.setup.cp == 1} == {1, 2, 4}
-    assert all(o.setup.ep == 1 for o in options if o.setup.pp > 1 or o.setup.cp > 1)
+    assert {o.setup.ep for o in options if o.setup.pp == 2 and o.setup.tp == 1} == {1, 2, 4}
+    assert all(o.setup.ep == 1 for o in options if o.setup.cp > 1)
 
 
 def test_the_dry_run_splits_experts_over_ep_and_agrees_with_the_planners_bytes(tmp_path) -> None:
