@@ -19,7 +19,8 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from cuboid.compat import should_accumulate
-from cuboid.experts.load import ExpertLoad, data_groups
+from cuboid.experts.load import ExpertLoad
+from cuboid.parallel.mesh import dim_groups
 from cuboid.planning.ledger import CommLedger
 from cuboid.step.grad_norm import global_grad_norm
 
@@ -52,6 +53,15 @@ def device_peak_flops(device: torch.device, precision: str = "bf16-mixed") -> fl
         return None
     tf32 = torch.backends.cuda.matmul.allow_tf32
     return peak_flops(torch.cuda.get_device_name(device), precision, tf32)
+
+
+def data_groups(strategy: Any) -> list[dist.ProcessGroup]:
+    """The groups whose ranks read different tokens: data parallel (replicas x shards, the mesh's flattened
+    ``dp``) and context parallel; the world under a strategy without Cuboid's mesh."""
+    mesh = getattr(strategy, "device_mesh", None)
+    if mesh is None:
+        return [dist.group.WORLD] if dist.is_initialized() else []
+    return [group for _, group in dim_groups(mesh, ("dp", "cp")) if group.size() > 1]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
+from cuboid.experts import experts_modules
 from cuboid.models import CausalLM, LlamaConfig
 from cuboid.planning.capacity import held_bytes, local_nbytes
 
@@ -123,9 +124,8 @@ class Measure(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        for module in pl_module.modules():  # MoE: what one layer's experts hold while they compute
-            if hasattr(module, "num_experts") and hasattr(module, "down_proj"):
-                module.register_forward_pre_hook(self._experts_hook)
+        for _, module in experts_modules(pl_module):  # MoE: what one layer's experts hold while they compute
+            module.register_forward_pre_hook(self._experts_hook)
         units = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
         nested = {n for n, _ in units}
         for name, unit in units:

@@ -53,6 +53,15 @@ def expert_block(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
+def pairs_per_expert(index: torch.Tensor, num_experts: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """How many (token, expert) pairs of ``index`` (expert ids, any shape) go to each of the ``num_experts``; ids of
+    ``num_experts`` or more (dropped pairs) are not counted. On the device only: ``index_add_`` into an extra bin,
+    where ``bincount`` or a boolean mask would read the device back on a GPU."""
+    flat = index.detach().reshape(-1).clamp(max=num_experts)
+    binned = torch.zeros(num_experts + 1, dtype=dtype, device=flat.device)
+    return binned.index_add_(0, flat, torch.ones_like(flat, dtype=dtype))[:num_experts].contiguous()
+
+
 @dataclass(frozen=True)
 class Routed:
     """What ``dispatch`` sent, kept to bring the results back (``combine``)."""
@@ -77,10 +86,7 @@ def dispatch(
     per = expert_block(num_experts, ep, 0)[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    # Pairs per global expert, dropped ones (id >= E) in an extra bin; index_add_ where bincount or a boolean mask
-    # would read the device back a second time on a GPU.
-    binned = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
-    counts = binned.index_add_(0, flat.clamp(max=num_experts), torch.ones_like(flat))[:num_experts].contiguous()
+    counts = pairs_per_expert(flat, num_experts)
     recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
     dist.all_to_all_single(recv_counts, counts, group=group)
     host = torch.cat([counts, recv_counts]).tolist()  # the one host sync: the splits below live on the host

@@ -11,12 +11,11 @@ read; other steps run nothing of this.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cuboid.experts.dispatch import pairs_per_expert
 from cuboid.experts.hf import experts_modules
 
 __all__ = ["ExpertLoad", "load_figures"]
@@ -52,11 +51,8 @@ class ExpertLoad:
             index = _top_k_index(args, kwargs) if self.on and torch.is_grad_enabled() else None
             if index is None:
                 return
-            e = module.num_experts
-            flat = index.detach().reshape(-1).clamp(max=e)  # dropped pairs land in the extra bin e
-            counts = torch.zeros(e + 1, dtype=torch.float32, device=flat.device)
-            counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-            self.counts[i] = counts[:e] if self.counts[i] is None else self.counts[i] + counts[:e]
+            counts = pairs_per_expert(index, module.num_experts, torch.float32)
+            self.counts[i] = counts if self.counts[i] is None else self.counts[i] + counts
 
         return count
 
@@ -94,15 +90,3 @@ def load_figures(counts: torch.Tensor) -> dict[str, float]:
         "moe/load_imbalance": float(ratio.max()),
         "moe/idle_experts": float((counts == 0).sum()),
     }
-
-
-def data_groups(strategy: Any) -> list[dist.ProcessGroup]:
-    """The groups whose ranks read different tokens: data parallel (replicas x shards), and context parallel."""
-    mesh = getattr(strategy, "device_mesh", None)
-    dp_mesh = getattr(strategy, "dp_mesh", None)
-    if mesh is None or dp_mesh is None:
-        return [dist.group.WORLD] if dist.is_initialized() else []
-    groups = [dp_mesh.get_group()] if dp_mesh.size() > 1 else []
-    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
-        groups.append(mesh["cp"].get_group())
-    return groups

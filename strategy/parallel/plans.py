@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from cuboid.experts import experts_modules
 from cuboid.parallel.styles import PlanError, canonical_style, sharded_size, to_parallel_style
 
 __all__ = [
@@ -128,7 +129,7 @@ def usable_model_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, str
     * and so are, in an MoE model, entries for module kinds it does not have (Qwen3-MoE's plan also covers dense
       layers, ``mlp.gate_proj``, that a config without ``mlp_only_layers`` never builds), as transformers does.
     """
-    experts = [name for name, m in root.named_modules() if hasattr(m, "num_experts") and hasattr(m, "down_proj")]
+    experts = [name for name, _ in experts_modules(root)]
     if not experts:
         return dict(plan)
     names = [n for n, _ in root.named_modules() if n]

@@ -257,38 +257,36 @@ class SequenceShardedEmbedding(RowwiseParallel):
 
 class GatherSequence(ParallelStyle):
     """All-gather a module's first input along the sequence (dim 1) before it runs: the input arrives
-    sequence-sharded (a local tensor or a ``Shard(1)`` DTensor) and the module gets a replicated DTensor, whose
-    gradient is reduce-scattered back once in backward."""
+    sequence-sharded (a local tensor or a ``Shard(1)`` DTensor) and the module gets a replicated DTensor (``local``:
+    its local tensor), whose gradient is reduce-scattered back once in backward."""
+
+    local = False
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             first, *rest = args
             if not isinstance(first, DTensor):
                 first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
-            return (first.redistribute(device_mesh, [Replicate()]), *rest), kwargs
+            whole = first.redistribute(device_mesh, [Replicate()])
+            return (whole.to_local() if self.local else whole, *rest), kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module
 
 
-class ReplicatedSequence(ParallelStyle):
+class ReplicatedSequence(GatherSequence):
     """A module whole on every tp rank between sequence-parallel norms (Cuboid's MoE feed-forward): its first input
     is all-gathered along the sequence (dim 1) and handed over as a local tensor, so its own parameters (plain,
     the same on every tp rank) and its routing see the whole batch alike; its output, the same on every tp rank,
     goes back as this rank's part of the sequence. Backward all-gathers the output's gradient and keeps this rank's
     part of the input's: every rank computes the same full gradients, so nothing is summed over tp."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            first, *rest = args
-            if not isinstance(first, DTensor):
-                first = DTensor.from_local(first, device_mesh, [Shard(1)], run_check=False)
-            return (first.redistribute(device_mesh, [Replicate()]).to_local(), *rest), kwargs
+    local = True
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def split(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
             whole = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
             return whole.redistribute(device_mesh, [Shard(1)]).to_local()  # the residual stream is local
 
-        module.register_forward_pre_hook(gather, with_kwargs=True)
         module.register_forward_hook(split)
-        return module
+        return super()._apply(module, device_mesh)
