@@ -51,7 +51,9 @@ def run_checked(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
     )
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n{out[-6000:]}")
+        crash = out.find("Fatal Python error")  # a worker's native crash: faulthandler's stacks (PYTHONFAULTHANDLER)
+        stacks = f"\n...\n{out[crash : crash + 4000]}\n...\n" if 0 <= crash < len(out) - 6000 else ""
+        pytest.fail(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:{stacks}\n{out[-6000:]}")
     return out
 
 
