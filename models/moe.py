@@ -67,7 +67,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """The feed-forward of an MoE block: routed experts (+ a shared expert). After each forward, ``aux_loss`` holds
     this call's load-balancing loss ``E · sum_e f_e · P_e`` (``f_e``: fraction of the chosen pairs that went to
-    expert ``e``; ``P_e``: its mean router probability), which the LM adds to its loss, weighted."""
+    expert ``e``; ``P_e``: its mean router probability), which the LM adds to its loss, weighted. The statistic's
+    parts (per-expert choice counts, probability sums, tokens) stay in ``balance_parts``, and :meth:`balance_loss`
+    makes the loss from parts summed over any set of tokens (how a strategy makes it the whole batch's)."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, shared: nn.Module | None = None) -> None:
         super().__init__()
@@ -75,6 +77,7 @@ class MoE(nn.Module):
         self.experts = Experts(dim, hidden, n_experts)
         self.shared_expert = shared
         self.aux_loss: torch.Tensor | None = None
+        self.balance_parts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -82,7 +85,13 @@ class MoE(nn.Module):
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        n = probs.shape[-1]
-        chosen = torch.zeros_like(probs).scatter_(1, index, 1.0).mean(dim=0) / index.shape[-1]
-        self.aux_loss = n * (chosen * probs.mean(dim=0)).sum()
+        counts = torch.zeros_like(probs).scatter_(1, index, 1.0).sum(dim=0)
+        self.balance_parts = torch.cat([counts, probs.sum(dim=0), counts.new_full((1,), probs.shape[0])])
+        self.aux_loss = self.balance_loss(self.balance_parts)
         return out.view_as(x)
+
+    def balance_loss(self, parts: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of ``balance_parts`` (``[counts (E), probability sums (E), tokens]``)."""
+        n, k = self.router.weight.shape[0], self.router.top_k
+        tokens = parts[2 * n]
+        return n * (parts[:n] / (tokens * k) * (parts[n : 2 * n] / tokens)).sum()

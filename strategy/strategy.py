@@ -29,6 +29,7 @@ from cuboid.checkpoint import Checkpointer
 from cuboid.checkpoint import pretrained as pretrained_weights
 from cuboid.checkpoint.hooks import CheckpointHooks
 from cuboid.context import ContextParallel
+from cuboid.experts.balance import LoadBalancing
 from cuboid.job import JobGuard
 from cuboid.job import launch as job_launch
 from cuboid.parallel import build, plans
@@ -76,6 +77,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             causal attention; FSDP shards over ``dp_shard x cp``; the step is unchanged (``docs/context.md``).
         expert_parallel: Ranks each mixture-of-experts layer's experts are split over (``ep``), within ``dp_shard``;
             tokens reach their experts by all-to-all, the router is the model's own (``docs/experts.md``).
+        load_balancing: An MoE model's load-balancing loss: ``"global"`` sums its statistic over the ranks holding
+            the step's tokens, as one process computes it; ``"local"`` keeps each rank's own batch, as DDP does.
         tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``, ``"embedding"``,
             ``"output"``, ``"sequence_parallel"``), names as seen from the LightningModule, e.g.
             ``{"model.layers.*.attention.wq": "colwise"}``. Default: the model's own ``tp_plan`` (or a Hugging Face
@@ -124,6 +127,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         tensor_parallel: int = 1,
         context_parallel: int = 1,
         expert_parallel: int = 1,
+        load_balancing: Literal["global", "local"] = "global",
         tensor_parallel_plan: Mapping[str, str] | None = None,
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
@@ -164,6 +168,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         sizes = (pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
         self.layout = Layout(*sizes, ep=expert_parallel)
         self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
+        self.balance = LoadBalancing(load_balancing)
         self._dp_shard_auto = data_parallel_shard == "auto"
         self.fit_estimate: capacity.Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
@@ -183,16 +188,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1
         self._experts: ExpertsLayout | None = None
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
 
     @override
     def _configure_launcher(self) -> None:
@@ -309,6 +304,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.pipelining.build_schedule(stages, mesh, self.root_device)
         if self.context.enabled:  # under pp, the runner cuts the schedule's inputs
             self.context.setup(lm, [name for name, _ in blocks], mesh["cp"].get_group(), self.pipelining.runner)
+        self.balance.setup(lm, blocks, *self.token_groups(), not pipelined, self.context.step_padding)
         self.precision_plugin.counted_elsewhere = self.pipelining.counted_elsewhere
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
@@ -331,7 +327,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
-        with self.context.step(), self.loss_parallel.step(self.lightning_module):
+        with self.context.step(), self.balance.step(), self.loss_parallel.step(self.lightning_module):
             return loss_parallel.plain_output(step(*args, **kwargs))
 
     @override
@@ -342,7 +338,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             return self._plain_step(super().training_step, *args, **kwargs)
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
-        with self.context.step():
+        with self.context.step(), self.balance.step():
             return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
 
     @override
@@ -368,7 +364,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
-        with self.context.step():
+        with self.context.step(), self.balance.step():
             return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
 
     @override

@@ -8,7 +8,7 @@ contiguous global batches; dp rank r takes every dp-th sample of each).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning as L
 import torch
@@ -19,6 +19,8 @@ from cuboid.models import Llama, LlamaConfig
 
 SEED = 1234
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+# Cuboid's own MoE: 4 experts per block, top-2, a shared expert, the load-balancing loss at a weight where it matters
+MOE_CFG = replace(CFG, n_experts=4, top_k=2, moe_ffn_dim=64, shared_expert=True, aux_loss_coef=0.1)
 SEQ = 32
 GLOBAL_BATCH = 8
 N_SAMPLES = 96  # 12 optimizer steps per epoch without accumulation
@@ -51,28 +53,34 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def initial_model() -> Llama:
+def initial_model(cfg: LlamaConfig = CFG) -> Llama:
     torch.manual_seed(SEED)
-    return Llama(CFG)
+    return Llama(cfg)
+
+
+def step_loss(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, plus the weighted load-balancing loss of an MoE model's blocks."""
+    loss = lm_loss(model(tokens[:, :-1]), tokens)
+    balance = model.aux_loss()
+    return loss if balance is None else loss + model.cfg.aux_loss_coef * balance
 
 
 class LlamaModule(L.LightningModule):
     """A plain LightningModule around the reference Llama: no parallel code in it."""
 
-    def __init__(self, meta_init: bool = False) -> None:
+    def __init__(self, meta_init: bool = False, cfg: LlamaConfig = CFG) -> None:
         super().__init__()
-        self.meta_init = meta_init
-        self.model: Llama | None = None if meta_init else initial_model()
+        self.meta_init, self.cfg = meta_init, cfg
+        self.model: Llama | None = None if meta_init else initial_model(cfg)
 
     def configure_model(self) -> None:
         if self.model is None:
             torch.manual_seed(SEED)  # the weights Cuboid materializes come from this RNG state
             with torch.device("meta"):
-                self.model = Llama(CFG)
+                self.model = Llama(self.cfg)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens = batch["tokens"]
-        loss = lm_loss(self.model(tokens[:, :-1]), tokens)
+        loss = step_loss(self.model, batch["tokens"])
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -95,12 +103,16 @@ def reference_run(
     initial: dict[str, torch.Tensor] | None = None,
     seq: int = SEQ,
     steps: int | None = None,
+    cfg: LlamaConfig = CFG,
+    microbatches: int = 1,
 ) -> Reference:
     """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
     not clipped), from :func:`initial_model` or the weights ``initial``; sequences of ``seq`` tokens; the first
-    ``steps`` batches only (default: every batch of every epoch)."""
+    ``steps`` batches only (default: every batch of every epoch). ``cfg``: the model (an MoE adds its
+    load-balancing loss, over the global batch); ``microbatches``: a pipeline's, each with its own load-balancing
+    loss (the step's loss: their mean)."""
     max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
-    model = initial_model()
+    model = initial_model(cfg)
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -110,7 +122,7 @@ def reference_run(
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
         for k in range(len(data) // GLOBAL_BATCH if steps is None else steps):
             tokens = torch.stack([data[i]["tokens"] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]])
-            loss = lm_loss(model(tokens[:, :-1]), tokens)
+            loss = sum(step_loss(model, piece) for piece in tokens.tensor_split(microbatches)) / microbatches
             (loss / accumulate).backward()
             losses.append(loss.item())
             if (k + 1) % accumulate == 0:

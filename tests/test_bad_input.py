@@ -126,7 +126,8 @@ def _decoder_that_scales_embeddings_in_forward() -> None:
 
 
 def _load_balancing_loss_under_pipeline_parallel() -> None:
-    """transformers' Qwen3-MoE with output_router_logits=True (its loss adds the load-balancing loss), cut for pp2."""
+    """transformers' Qwen3-MoE with output_router_logits=True (its loss adds the load-balancing loss), cut for pp2,
+    with its weight under another name than transformers' router_aux_loss_coef (as a family of its own might)."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
@@ -139,14 +140,18 @@ def _load_balancing_loss_under_pipeline_parallel() -> None:
             super().__init__()
             with torch.device("meta"):
                 self.model = transformers.AutoModelForCausalLM.from_config(config)
+            self.model.balance_weight = self.model.router_aux_loss_coef
+            del self.model.router_aux_loss_coef
 
     lm = Module()
     find_pipeline_split(lm, find_blocks(lm))
 
 
 def _cuboid_moe_under_pipeline_parallel() -> None:
+    """A model of Cuboid's contract with a load-balancing loss whose model has no aux_loss() to send along."""
     lm = CausalLM(model="moe_debug")
     lm.configure_model()
+    lm.model.aux_loss = None
     find_pipeline_split(lm, find_blocks(lm))
 
 
@@ -161,7 +166,7 @@ def _pipelined_step_calling_the_model_twice() -> None:
 def _keyword_tensor_without_the_batch_dimension() -> None:
     import transformers
 
-    from cuboid.pipeline.decoder import bind_call
+    from cuboid.pipeline.decoder_call import bind_call
 
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
@@ -443,21 +448,21 @@ CASES.update(
             LayoutError,
             r"expert_parallel=3 must divide data_parallel_shard \(4\) x context_parallel \(1\) = 4",
         ),
-        "a load-balancing loss under pipeline parallel": (
+        "a load-balancing loss without router_aux_loss_coef under pipeline parallel": (
             _load_balancing_loss_under_pipeline_parallel,
             PipelineError,
-            r"adds a load-balancing loss \(config.output_router_logits=True.* no pipeline stage holds.*"
+            r"adds a load-balancing loss \(config.output_router_logits=True\) but has no router_aux_loss_coef.*"
             r"output_router_logits=False",
         ),
-        "Cuboid's MoE load-balancing loss under pipeline parallel": (
+        "a load-balancing loss without aux_loss() under pipeline parallel": (
             _cuboid_moe_under_pipeline_parallel,
             PipelineError,
-            r"adds a load-balancing loss over its MoE layers \(aux_loss_coef=0.01\).* aux_loss_coef=0",
+            r"adds a load-balancing loss \(cfg.aux_loss_coef=0.01\) but has no aux_loss\(\) method.* aux_loss_coef=0",
         ),
-        "expert parallel composed with context parallel": (
-            lambda: CuboidStrategy(expert_parallel=2, context_parallel=2).layout.resolve(4),
-            LayoutError,
-            r"expert_parallel=2 with context_parallel=2 is not supported yet",
+        "an unknown load_balancing": (
+            lambda: CuboidStrategy(load_balancing="sometimes"),
+            ValueError,
+            r"load_balancing='sometimes'; choose 'global' .* or 'local'",
         ),
         "an expert_parallel that does not divide the experts": (
             lambda: expert_block(6, 4, 0),

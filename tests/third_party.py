@@ -23,7 +23,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85}  # fmt: skip
-CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75}
+CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
 VIT_PLAN = {
@@ -189,12 +189,21 @@ def reference_run(
     seq: int = SEQ,
     steps: int | None = None,
     max_norm: float | None = None,
+    microbatches: int = 1,
+    local_balance: bool = False,
 ) -> Reference:
     """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
     :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
     of the ``dp`` ranks' own token means (each rank's share of the global batch, as Lightning's sampler deals it):
-    what data-parallel training computes when the ranks predict different numbers of tokens. The same for the
-    mixture-of-experts families at any ``dp``: their load-balancing loss is each rank's own batch's."""
+    what data-parallel training computes when the ranks predict different numbers of tokens.
+
+    The mixture-of-experts families' load-balancing loss is the whole step's (Cuboid's ``load_balancing="global"``):
+    the model run on the global batch. With ``microbatches`` > 1 (a pipeline's) it is each microbatch's: each
+    rank's batch is cut as the pipeline cuts it, the ranks' ``m``-th pieces run together, and the step's loss is
+    the mean over ``m``. With ``local_balance`` (``"local"``) it is each rank's own batch's (or piece's), and the
+    step's loss the mean of theirs."""
+    moe_global = family in MOE and not local_balance
+    assert not (moe_global and padded and dp > 1), "the ranks' token means and a global statistic: not modelled"
     model = initial_model(family, meta_init)
     if initial is not None:
         model.load_state_dict(initial)
@@ -208,10 +217,19 @@ def reference_run(
         for k in range(len(data) // GLOBAL_BATCH if steps is None else steps):  # steps: the first batches only
             window = perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
             loss = 0.0
+            pieces = []  # per rank, per microbatch
             for r in range(shares):
                 items = [data[i] for i in window[r::shares]]
                 batch = {key: torch.stack([it[key] for it in items]) for key in items[0]}
-                loss = loss + hf_loss(model, batch) / shares
+                pieces.append([{key: t.tensor_split(microbatches)[m] for key, t in batch.items()}
+                               for m in range(microbatches)])  # fmt: skip
+            for m in range(microbatches):
+                if moe_global:  # the ranks' m-th pieces together: one statistic
+                    together = {key: torch.cat([p[m][key] for p in pieces]) for key in pieces[0][m]}
+                    loss = loss + hf_loss(model, together) / microbatches
+                    continue
+                for r in range(shares):
+                    loss = loss + hf_loss(model, pieces[r][m]) / (shares * microbatches)
             loss.backward()
             if routed is not None:  # this step's tokens per expert, from the routers' own choices
                 loads.append(torch.stack([c.clone() for c in routed]))

@@ -52,7 +52,8 @@ def setup_of(kwargs: dict, world: int) -> Setup:
         kwargs.get("tensor_parallel", 1),
     )
     return Setup(pp=pp, dp_replicate=rep, dp_shard=world // (pp * rep * tp), tp=tp, batch=BATCH, seq=SEQ,
-                 precision="32-true", ep=kwargs.get("expert_parallel", 1))  # fmt: skip
+                 precision="32-true", ep=kwargs.get("expert_parallel", 1),
+                 balance=bool(MOE_CFG.aux_loss_coef) and kwargs.get("expert_parallel", 1) > 1)  # fmt: skip
 
 
 def config_of(name: str) -> LlamaConfig:

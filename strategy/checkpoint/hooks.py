@@ -19,6 +19,16 @@ class CheckpointHooks:
 
     checkpointer: Checkpointer
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the sharded model, once setup has parallelized it
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # Cuboid restores the optimizer state itself, shard by shard
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the model is written shard by shard in save_checkpoint

@@ -60,6 +60,7 @@ class ContextParallel:
         self.positions_keyword = "position_ids"
         self._seq: tuple[int, int] | None = None  # (batch, seq_len) of the last forward this step
         self._key_padding: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None  # the last forward's whole (batch, seq) padding mask, if any
         self._attention_calls = 0
         self._checked = False
         self._inside = False
@@ -141,6 +142,7 @@ class ContextParallel:
             if self._transformers:  # through transformers' kwargs to the attention function, call by call
                 changed[KEY_PADDING] = mask
         self._key_padding = None if self._transformers else mask
+        self.padding = mask
         for name, value in values.items():
             if name != "labels" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq_len):
                 changed[name] = value.index_select(1, positions)
@@ -152,6 +154,14 @@ class ContextParallel:
             else:
                 named.setdefault(var_keyword, {})[name] = value
         return bound.args, bound.kwargs
+
+    def local_padding(self, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a whole ``(batch, seq)`` padding mask, in the order its rows run."""
+        return mask.index_select(1, local_positions(mask.shape[1], self.rank, self.size, mask.device))
+
+    def step_padding(self) -> torch.Tensor | None:
+        """This rank's share of the running step's padding mask (None without one, or outside a step)."""
+        return None if active() is not self or self.padding is None else self.local_padding(self.padding)
 
     def pipeline_inputs(
         self, first: tuple, stage_kwargs: dict[str, Any], tokens: torch.Tensor, microbatches: int

@@ -1,7 +1,8 @@
 """The expert-parallel wing: the experts of every mixture-of-experts layer split over ranks, each chosen
 (token, expert) pair sent to the rank holding its expert and back (all-to-alls with uneven splits), the router
-left as the model defines it."""
+left as the model defines it, its load-balancing loss summed over the step's ranks (``balance``)."""
 
+from cuboid.experts.balance import LoadBalancing
 from cuboid.experts.dispatch import ExpertParallelError, Routed, combine, dispatch, expert_block
 from cuboid.experts.hf import distribute_experts, ep_experts_forward, experts_modules, local_experts, shard_experts
 from cuboid.experts.load import ExpertLoad, load_figures
@@ -9,6 +10,7 @@ from cuboid.experts.load import ExpertLoad, load_figures
 __all__ = [
     "ExpertLoad",
     "ExpertParallelError",
+    "LoadBalancing",
     "Routed",
     "combine",
     "dispatch",

@@ -92,14 +92,6 @@ class Layout:
                 f"({self.cp}) = {within}: experts are split over ranks that read different data. Choose an "
                 f"expert_parallel that divides {within}, or a larger data_parallel_shard."
             )
-        others = {"context_parallel": self.cp}
-        composed = [f"{name}={size}" for name, size in others.items() if size > 1]
-        if composed:
-            raise LayoutError(
-                f"expert_parallel={self.ep} with {', '.join(composed)} is not supported yet: expert parallel runs "
-                "over data-parallel ranks (FSDP, HSDP, with tensor and pipeline parallel beside them). Set it to 1, "
-                "or expert_parallel=1."
-            )
 
     @property
     def dp(self) -> int:

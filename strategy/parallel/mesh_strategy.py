@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from cuboid import compat
+from cuboid.parallel.mesh import dim_groups
 from cuboid.step.precision import CuboidPrecision
 
 if TYPE_CHECKING:
@@ -55,6 +56,11 @@ class MeshStrategy(ParallelStrategy):
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
         return self._device_mesh
+
+    def token_groups(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(name, group) of the mesh dims whose ranks hold different tokens of a step: the data-parallel dims, and
+        cp (its ranks hold different parts of the same sequences)."""
+        return dim_groups(self.device_mesh, ("dp_replicate", "dp_shard")), dim_groups(self.device_mesh, ("cp",))
 
     @property
     def experts_layout(self) -> Any:

@@ -17,6 +17,13 @@ The loss is the model's own loss function, on the last stage, per microbatch, wi
 ``num_items_in_batch`` set to the whole batch's count of predicted tokens: the sum over microbatches is the loss
 (and the gradient) of one big batch, ``-100`` labels and padding included.
 
+A mixture-of-experts model whose loss adds the load-balancing loss (``config.output_router_logits``) needs every
+layer's router statistics at once (:mod:`cuboid.experts.balance`). Each stage sends the parts it has so far (per
+expert choice counts and probability sums, and the rows: ``2E + 1`` numbers, its own layers' added to those it
+received) beside its hidden states; the last stage sums them over the ranks holding the step's other tokens and
+outputs the loss beside the logits. The backward reaches every stage's routers through those sends. The loss is
+each microbatch's own: its gradient is needed before the later microbatches have run forward.
+
 Which models qualify (checked when the stages are built, each failure named): the blocks sit in a
 ``ModuleList`` of the base model, whose ``forward`` takes ``inputs_embeds``; the base model hands ``inputs_embeds``
 to the first block untouched (a model that scales its embeddings inside ``forward``, as Granite does, would scale
@@ -38,10 +45,9 @@ import torch
 from torch import nn
 
 from cuboid.compat import shallow_module_copy
-
-IGNORE_INDEX = -100  # transformers' label for "no loss here" (padding, prompts)
-_HARMLESS = {"use_cache": (None, False, True), "return_dict": (None, True), "logits_to_keep": (0, None)}
-_LOSS_ONLY = ("labels", "shift_labels")
+from cuboid.context.runtime import KEY_PADDING
+from cuboid.context.runtime import active as context_active
+from cuboid.experts import balance
 
 
 class DecoderSplitError(ValueError):
@@ -76,6 +82,7 @@ class DecoderShape:
     container: str  # the blocks ("model.layers")
     pre: list[str] = field(default_factory=list)  # pieces before the blocks, on the first stage ("model.embed_tokens")
     post: list[str] = field(default_factory=list)  # after them, on the last stage ("model.norm", "lm_head")
+    router_loss: bool = False  # the loss adds a load-balancing loss: its statistic travels with the hidden states
 
 
 def _child_order(module: nn.Module, plan: dict[str, Any] | None) -> list[str]:
@@ -115,14 +122,12 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             "transformers decoder does), or a model written for Cuboid's pipeline contract (docs/pipeline.md)."
         )
     config = getattr(base, "config", None)
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
-        raise DecoderSplitError(
-            f"{type(owner).__name__} adds a load-balancing loss (config.output_router_logits=True, "
-            f"router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}): transformers computes it from "
-            "every layer's router logits at once, which no pipeline stage holds. Train without it under pipeline "
-            "parallel (config.output_router_logits=False), or use pipeline_parallel=1 (expert_parallel and "
-            "tensor_parallel keep it)."
-        )
+    router_loss = balance.router_loss_model(owner)
+    if router_loss:
+        try:
+            balance.check_router_loss_model(owner)
+        except ValueError as err:
+            raise DecoderSplitError(str(err)) from None
     base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
     at = base_order.index(attr)
     prefix = f"{base_path}." if base_path else ""
@@ -139,7 +144,7 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             )
         post += [n for n in owner_order if n != base_path and _has_params(owner._modules[n])]
     check_embeddings_pass_through(base, attr, type(base).__name__)
-    return DecoderShape(base_path, container, pre, post)
+    return DecoderShape(base_path, container, pre, post, router_loss)
 
 
 class _Recorder(nn.Module):
@@ -213,6 +218,7 @@ class _StageInfo:
     base: str
     first: bool
     last: bool
+    router_loss: bool = False
 
 
 class _FixedOutput(nn.Module):
@@ -241,8 +247,11 @@ def _base_replaced(stage: nn.Module, base: str, output: Any) -> Iterator[None]:
         stage._modules[base] = real
 
 
-def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """A decoder stage's forward (bound to the stage, a view of the outer model; see the module docstring)."""
+def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **kwargs: Any) -> Any:
+    """A decoder stage's forward (bound to the stage, a view of the outer model; see the module docstring).
+    ``received``: the load-balancing statistic's parts the stage before sent (a model with a load-balancing loss,
+    not the first stage). Returns the hidden states, or the last stage's logits; with a load-balancing loss, the
+    parts so far beside the hidden states, and the microbatch's loss beside the logits."""
     info: _StageInfo = self.__dict__["_cuboid_stage"]
     base = self.get_submodule(info.base) if info.base else self
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
@@ -252,10 +261,34 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Ten
         else base(**inputs, use_cache=False, **kwargs)
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    parts = _balance_parts(self, received, out, kwargs) if info.router_loss else None
     if not info.last or not info.base:
-        return hidden
+        return hidden if parts is None else (hidden, parts)
+    mask = {"attention_mask": kwargs["attention_mask"]} if "attention_mask" in kwargs else {}
     with _base_replaced(self, info.base, out):
-        return type(self).forward(self, use_cache=False).logits
+        result = type(self).forward(self, use_cache=False, **mask)
+    if parts is None:
+        return result.logits
+    experts = self.num_experts
+    lb = balance.active()
+    if lb is not None and out.router_logits:  # once: the model's own aux_loss (of this stage's layers) = Cuboid's
+        own = balance.statistics(out.router_logits, experts, self.num_experts_per_tok, mask.get("attention_mask"))
+        lb.check(self, result.aux_loss, balance.loss_of(own, experts))
+    whole = lb.whole(parts) if lb is not None else parts
+    # (the loss with a dimension: the schedule concatenates each output over the microbatches)
+    return result.logits, balance.loss_of(whole, experts).reshape(1)
+
+
+def _balance_parts(stage: nn.Module, received: tuple[torch.Tensor, ...], out: Any, kwargs: dict) -> torch.Tensor:
+    """The load-balancing statistic's parts of every layer up to this stage's last: those received, plus this
+    stage's own layers' (this rank's rows: under cp, its share of the padding mask)."""
+    cp = context_active()
+    padding = kwargs.get(KEY_PADDING) if cp is not None else kwargs.get("attention_mask")
+    if cp is not None and padding is not None:
+        padding = cp.local_padding(padding)
+    routers = tuple(getattr(out, "router_logits", None) or ())
+    own = balance.statistics(routers, stage.num_experts, stage.num_experts_per_tok, padding)
+    return own + received[0] if received else own
 
 
 def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
@@ -285,7 +318,7 @@ def build_stage(
         for path in shape.post:
             in_base = shape.base and path.startswith(f"{shape.base}.")
             _set_path(stage, path, nn.Identity() if in_base or not shape.base else None)
-    stage.__dict__["_cuboid_stage"] = _StageInfo(shape.base, first, last)
+    stage.__dict__["_cuboid_stage"] = _StageInfo(shape.base, first, last, shape.router_loss)
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
@@ -303,86 +336,3 @@ def prune(owner: nn.Module, shape: DecoderShape, owned: Sequence[str], first: bo
     if not last:
         for path in shape.post:
             _set_path(owner, path, None)
-
-
-@dataclass
-class CallPlan:
-    """How the step calls the decoder (``self.model(input_ids=..., attention_mask=..., labels=...)``), bound to the
-    outer model's signature: the first stage's input, the keyword tensors every stage gets with its microbatch,
-    and the labels the loss needs."""
-
-    first_input: torch.Tensor
-    stage_kwargs: dict[str, torch.Tensor]
-    labels: torch.Tensor | None
-
-    def predicted_tokens(self) -> torch.Tensor | None:
-        """transformers' ``num_items_in_batch`` for the whole batch: the tokens its causal-LM loss averages over
-        (labels shifted by one, ``-100`` left out). A device tensor: nothing is read on the host."""
-        if self.labels is None:
-            return None
-        return self.labels[..., 1:].ne(IGNORE_INDEX).sum()
-
-
-def bind_call(owner: nn.Module, args: tuple, kwargs: dict, hook: str, owner_name: str) -> CallPlan:
-    """Bind how ``hook`` called the decoder to its forward's signature; refuse what a pipeline cannot split."""
-    try:
-        bound = inspect.signature(type(owner).forward).bind(owner, *args, **kwargs).arguments
-    except TypeError as err:
-        raise DecoderSplitError(
-            f"{hook} calls self.{owner_name}(...) with arguments its forward does not take: {err}"
-        ) from None
-    bound.pop("self", None)
-    bound.update(bound.pop("kwargs", {}) or {})
-    ids = bound.pop("input_ids", None)
-    if not isinstance(ids, torch.Tensor):
-        raise DecoderSplitError(
-            f"{hook} calls self.{owner_name}(...) without input_ids; under pipeline parallelism the first stage starts "
-            "from token ids (inputs_embeds= is not supported)."
-        )
-    batch = ids.shape[0]
-    labels = bound.pop("labels", None)
-    stage_kwargs: dict[str, torch.Tensor] = {}
-    for name, value in bound.items():
-        if value is None or (name in _HARMLESS and not torch.is_tensor(value) and value in _HARMLESS[name]):
-            continue
-        if name in _LOSS_ONLY or not isinstance(value, torch.Tensor):
-            raise DecoderSplitError(
-                f"{hook} calls self.{owner_name}(..., {name}={value!r}): under pipeline parallelism a stage returns "
-                f"only its hidden states or logits. Leave {name} out of the call."
-            )
-        if value.dim() == 0 or value.shape[0] != batch:
-            raise DecoderSplitError(
-                f"{hook} passes {name} of shape {tuple(value.shape)} to self.{owner_name}(...), which cannot be split "
-                f"into microbatches with input_ids of batch size {batch}: every keyword tensor needs the batch as its "
-                "first dimension."
-            )
-        stage_kwargs[name] = value
-    if isinstance(labels, torch.Tensor):
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        if getattr(owner, "loss_function", None) is not ForCausalLMLoss:
-            raise DecoderSplitError(
-                f"{type(owner).__name__}'s loss is not transformers' causal-LM loss (a token mean over labels != -100), "
-                "which Cuboid weights per microbatch to give the whole batch's loss. Compute the loss in the step from "
-                f"out.logits instead of passing labels to self.{owner_name}(...)."
-            )
-        return CallPlan(ids, stage_kwargs, labels)
-    return CallPlan(ids, stage_kwargs, None)
-
-
-def microbatch_output(
-    owner: nn.Module, logits: torch.Tensor, args: tuple, kwargs: dict, predicted: torch.Tensor | None, microbatches: int
-) -> Any:
-    """What ``self.model(...)`` returns to the step on the last stage for one microbatch: the model's output class
-    with its logits and, when labels were given, the model's own loss weighted so that the microbatches' mean is
-    the loss of the whole batch (``num_items_in_batch``: the whole batch's predicted tokens)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    bound = inspect.signature(type(owner).forward).bind(owner, *args, **kwargs).arguments
-    labels = bound.get("labels")
-    loss = None
-    if labels is not None:
-        loss_fn = owner.loss_function
-        vocab = owner.config.vocab_size
-        loss = loss_fn(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=predicted) * microbatches
-    return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -71,6 +71,7 @@ class Pipelining:
         self.runner: PipelineRunner | None = None
         self._owner = ""
         self._shape: DecoderShape | None = None  # a Hugging Face decoder's cut; None for Cuboid's contract
+        self._carries_aux = False  # Cuboid's contract with a loss over its blocks, sent along the stages
         self._stashed_grads: list[Tensor | None] = []
         self._tied: list[nn.Parameter] = []
         self._tied_names: list[list[str]] = []
@@ -113,7 +114,7 @@ class Pipelining:
                 (f"{prefix}{split.container}.{k}", b) for k, b in pipeline.stage_block_items(stage, split.container)
             ]
             settings.apply([(stage, stage_blocks)], stage, relative)
-        self._owner, self._shape = split.owner, split.shape
+        self._owner, self._shape, self._carries_aux = split.owner, split.shape, split.carries_aux
         return list(zip(my_stages, stage_modules, strict=True))
 
     def build_schedule(self, stage_modules: list[tuple[int, nn.Module]], mesh: Any, device: torch.device) -> None:
@@ -126,7 +127,15 @@ class Pipelining:
         last_stage_rank = dist.get_global_rank(pp_group, last_pp_rank)
         host_group = self._host_group(mesh)
         self.runner = PipelineRunner(
-            stages, self.schedule, self.microbatches, self._owner, pp_group, last_stage_rank, host_group, self._shape
+            stages,
+            self.schedule,
+            self.microbatches,
+            self._owner,
+            pp_group,
+            last_stage_rank,
+            host_group,
+            self._shape,
+            self._carries_aux,
         )
         if self._tied_names:
             self._tied_group = self._first_last_group(mesh, pp_group)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from cuboid.compat import is_view_of
-from cuboid.pipeline import decoder
+from cuboid.pipeline import decoder, decoder_call
 from cuboid.pipeline.results import LogRecorder, ResultExchange, StepResults
 from cuboid.pipeline.stages import MULTI_STAGE, SCHEDULES, PipelineError, split_batch
 
@@ -88,7 +88,8 @@ class PipelineRunner:
     """Runs a LightningModule step through a ``torch.distributed.pipelining`` schedule.
 
     ``shape``: the model is a Hugging Face decoder cut by :mod:`cuboid.pipeline.decoder` (None: a model written for
-    Cuboid's pipeline contract, which takes positional tensors)."""
+    Cuboid's pipeline contract, which takes positional tensors). ``carries_aux``: such a model's stages send their
+    blocks' ``aux_loss()`` along (:func:`cuboid.pipeline.stages.find_pipeline_split`)."""
 
     def __init__(
         self,
@@ -100,11 +101,13 @@ class PipelineRunner:
         last_stage_rank: int,
         host_group: dist.ProcessGroup | None = None,
         shape: decoder.DecoderShape | None = None,
+        carries_aux: bool = False,
     ) -> None:
         self.stages, self.microbatches, self.owner_name = stages, microbatches, owner_name
         self.pp_group, self.last_stage_rank = pp_group, last_stage_rank
         self.host_group = host_group if host_group is not None else pp_group
         self.shape = shape
+        self.carries_aux = carries_aux  # the last stage's output is (output, the blocks' aux_loss() total)
         self.results = ResultExchange(pp_group, self.host_group, last_stage_rank, stages[0].device)
         cls = SCHEDULES[schedule_name]
         target = stages if schedule_name in MULTI_STAGE else stages[0]
@@ -146,16 +149,23 @@ class PipelineRunner:
         cp, tokens = self.context is not None, None
         try:
             if self.shape is not None:  # every stage needs the call's keyword tensors
-                plan = decoder.bind_call(real, *self._capture(call_user, batch, hook, real, lm), hook, self.owner_name)
+                plan = decoder_call.bind_call(
+                    real, *self._capture(call_user, batch, hook, real, lm), hook, self.owner_name
+                )
                 inputs, stage_kwargs, tokens = (plan.first_input,), plan.stage_kwargs, plan.first_input
                 predicted, microbatches = plan.predicted_tokens(), self.microbatches
 
                 def make_output(output: Any, args: tuple, kwargs: dict) -> Any:
-                    return decoder.microbatch_output(real, output, args, kwargs, predicted, microbatches)
+                    return decoder_call.microbatch_output(real, output, args, kwargs, predicted, microbatches)
 
             elif self.has_first or cp:  # under cp every stage needs the tokens' global positions
                 inputs = self._positional_input(*self._capture(call_user, batch, hook, real, lm), hook)
                 tokens = inputs[0] if inputs else None
+            if self.carries_aux:
+
+                def make_output(output: Any, args: tuple, kwargs: dict) -> Any:
+                    return output[0]
+
             if cp and tokens is not None:
                 inputs, stage_kwargs = self.context.pipeline_inputs(inputs, stage_kwargs, tokens, self.microbatches)
             inputs = inputs if self.has_first else ()
@@ -180,12 +190,16 @@ class PipelineRunner:
             recorder = LogRecorder(lm)
             index = target.tolist()[0]  # a host tensor (the microbatch's index): no device read
             standin = _StageOutput(real, output, hook, self.owner_name, make_output)
+            if self.carries_aux:  # the step's self.model.aux_loss(): this microbatch's total over every stage
+                total = output[1].reshape(())
+                object.__setattr__(standin, "aux_loss", lambda: total)
             out = call_user(mbs[index], standin, recorder)
             loss = out["loss"] if isinstance(out, dict) else out
             results.calls[index] = recorder.calls
             if loss is None:
                 results.losses[index] = None
-                return torch.zeros((), device=output.device, requires_grad=train)
+                device = output[0].device if isinstance(output, tuple) else output.device
+                return torch.zeros((), device=device, requires_grad=train)
             results.losses[index] = loss.detach()
             return loss * loss_scale
 

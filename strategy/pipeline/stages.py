@@ -3,13 +3,17 @@
 Two shapes of model qualify. An unmodified Hugging Face decoder (``AutoModelForCausalLM`` and models of its
 shape): its stages run the model's own code (:mod:`cuboid.pipeline.decoder`). A model written for Cuboid's
 contract: the LightningModule's model (a direct child, e.g. ``self.model``) runs ``pre -> blocks -> post``, holds
-its blocks in an ``nn.ModuleDict`` keyed ``"0", "1", ...`` and skips pieces that are ``None``. Either way a stage
+its blocks in an ``nn.ModuleDict`` keyed ``"0", "1", ...`` and skips pieces that are ``None``. Such a model may
+add a loss over its blocks (Cuboid's MoE Llama: the load-balancing loss) through a method ``aux_loss()``: the sum,
+over the blocks it holds, of each block's term from its last forward. Each stage then sends the sum so far beside
+its output, and on the last stage the step's ``self.model.aux_loss()`` answers the microbatch's total. Either way a stage
 keeps its blocks under the whole model's names and, on the first/last stage, the pieces before/after the blocks.
 The step itself runs in :mod:`cuboid.pipeline.runner`.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +73,7 @@ class PipelineSplit:
     pre: list[str]
     post: list[str]
     shape: decoder.DecoderShape | None = None
+    carries_aux: bool = False  # Cuboid's contract with a loss over the blocks (``aux_loss()``) sent along the stages
 
 
 def find_pipeline_split(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> PipelineSplit:
@@ -92,11 +97,12 @@ def find_pipeline_split(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
         )
     container = owner.get_submodule(container_name)
     cfg = getattr(owner, "cfg", None)  # Cuboid's Llama: an MoE whose load-balancing loss CausalLM adds
-    if getattr(cfg, "n_experts", 0) and getattr(cfg, "aux_loss_coef", 0):
+    carries_aux = bool(getattr(cfg, "n_experts", 0) and getattr(cfg, "aux_loss_coef", 0))
+    if carries_aux and not callable(getattr(owner, "aux_loss", None)):
         raise PipelineError(
-            f"{owner_name} adds a load-balancing loss over its MoE layers (aux_loss_coef={cfg.aux_loss_coef}), "
-            "collected from every layer's router, which no pipeline stage holds all of. Train it without under "
-            "pipeline parallel (LlamaConfig aux_loss_coef=0, Hydra model.aux_loss_coef=0), or use pipeline_parallel=1."
+            f"{owner_name} adds a load-balancing loss (cfg.aux_loss_coef={cfg.aux_loss_coef}) but has no aux_loss() "
+            "method summing it over the blocks it holds, which Cuboid's pipeline contract sends along the stages. "
+            "Define one (see cuboid.models.Llama.aux_loss), or set aux_loss_coef=0 under pipeline parallel."
         )
     if "." not in container_name and isinstance(container, nn.ModuleDict):  # Cuboid's pipeline contract
         names = [n for n, _ in owner.named_children()]
@@ -106,7 +112,7 @@ def find_pipeline_split(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) 
         ]
         pre = [n for n in with_params if names.index(n) < at]
         post = [n for n in with_params if names.index(n) > at]
-        return PipelineSplit(owner_name, container_name, list(container.keys()), pre, post)
+        return PipelineSplit(owner_name, container_name, list(container.keys()), pre, post, None, carries_aux)
     try:
         shape = decoder.find_decoder_shape(owner, owner_name, container_name)
     except decoder.DecoderSplitError as err:
@@ -169,6 +175,18 @@ def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual)]
 
 
+def _forward_carrying_aux(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **kwargs: Any) -> Any:
+    """A contract stage's forward for a model with a loss over its blocks: its output, and the blocks' ``aux_loss()``
+    so far (what the stage before sent plus this stage's blocks' own, shaped ``(1,)``: the schedule concatenates
+    each output over the microbatches)."""
+    out = type(self).forward(self, x, **kwargs)
+    own = self.aux_loss()  # this stage's view holds its own blocks only
+    total = own if not received else (received[0].reshape(()) if own is None else received[0].reshape(()) + own)
+    if total is None:
+        total = out.new_zeros(())
+    return out, total.reshape(1)
+
+
 def build_stages(
     owner: nn.Module, split: PipelineSplit, my_stages: list[int], blocks_per_stage: list[list[int]]
 ) -> tuple[nn.Module, list[nn.Module]]:
@@ -201,6 +219,8 @@ def build_stages(
         for name in split.post:
             if sid != n_stages - 1:
                 setattr(stage, name, None)
+        if split.carries_aux:
+            stage.forward = types.MethodType(_forward_carrying_aux, stage)
         stage_modules.append(stage)
     owned_keys = {keys[i] for sid in my_stages for i in blocks_per_stage[sid]}
     container = owner.get_submodule(split.container)

@@ -107,7 +107,9 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
       row to its expert's rank and the result back, and the same two in backward (again in the recompute under
       full checkpointing): ``4 x top_k x b s h`` when routing is balanced. A rank's own share depends on the
       routing (it sends ``top_k x b s h`` and receives what the others route to its experts); the mean over the
-      ranks equals the figure.
+      ranks equals the figure. With ``setup.balance`` (the load-balancing loss summed over the ranks), per MoE
+      block and forward (again in an activation-checkpointing recompute) its ``2 x experts + 1`` float32 parts
+      all-reduced over each of ``dp_replicate``, ``dp_shard`` and ``cp`` that has more than one rank.
     """
     from cuboid.planning.estimate import dtype_bytes, rank_params, rank_stages
 
@@ -141,6 +143,11 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
             out["tp"]["all_reduce"] += norms + loss * setup.m
         else:
             out["tp"]["all_reduce"] = norms + loss * setup.m
+    if shape.experts and setup.balance:
+        parts = blocks * (2 * shape.experts + 1) * 4 * setup.m * (2 if setup.ac else 1)
+        for dim, size in (("dp_replicate", setup.dp_replicate), ("dp_shard", setup.dp_shard), ("cp", setup.cp)):
+            if size > 1:
+                out.setdefault(dim, {})["all_reduce"] = out.get(dim, {}).get("all_reduce", 0.0) + parts
     if setup.pp > 1:
         boundaries = sum((st > 0) + (st < n_stages - 1) for st in stages)
         out["pp"] = {"send_recv": 2 * boundaries * act * setup.m / setup.tp}

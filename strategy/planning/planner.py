@@ -122,11 +122,11 @@ def layouts(
 
 
 def expert_degrees(shape: Shape, pp: int, shard: int, tp: int, cp: int) -> list[int]:
-    """Expert-parallel degrees to try: 1, and for an MoE model each divisor of ``dp_shard`` (> 1) that divides its
-    experts, where Cuboid composes them (not yet with cp)."""
-    if not shape.experts or cp > 1:
+    """Expert-parallel degrees to try: 1, and for an MoE model each divisor of ``dp_shard x cp`` (> 1) that divides
+    its experts (EP borrows the ranks FSDP shards over)."""
+    if not shape.experts:
         return [1]
-    return [ep for ep in divisors(shard) if shape.experts % ep == 0]
+    return [ep for ep in divisors(shard * cp) if shape.experts % ep == 0]
 
 
 def best_batch(shape: Shape, s: Setup, hw: Hardware, headroom: float, max_batch: int) -> tuple[Setup, Memory, bool]:

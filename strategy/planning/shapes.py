@@ -225,6 +225,7 @@ class Setup:
     reshard_after_forward: bool | None = None  # None: Cuboid's default (True without pp, False with)
     cp: int = 1  # context parallel: each sequence split over cp ranks; FSDP shards over dp_shard x cp
     ep: int = 1  # expert parallel: each MoE block's experts split over ep of the dp_shard x cp ranks
+    balance: bool = False  # an MoE's load-balancing loss in the loss, its statistic summed over the ranks ("global")
 
     @property
     def world(self) -> int:

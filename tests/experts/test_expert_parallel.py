@@ -1,20 +1,24 @@
 """Expert parallel trains like one process: transformers Qwen3-MoE and Mixtral (4 experts, top-2, the
 load-balancing loss in ``.loss``, clipping on some steps) at ep2 (dp_shard=2, each rank holding 2 experts), Qwen3-MoE
-at ep2 inside dp_shard=4 (the experts' FSDP over the 2 ranks holding the same experts) and ep2 x HSDP2. The
-LightningModule is the suite's usual ``third_party.HFModule``, unchanged. Checkpoints move between ep2 and ep1 both
-ways. The one parity bound (1e-5).
+at ep2 inside dp_shard=4 (the experts' FSDP over the 2 ranks holding the same experts) and ep2 x HSDP2, with tp, pp
+and cp beside. The LightningModule is the suite's usual ``third_party.HFModule``, unchanged. Checkpoints move between
+ep2 and ep1 both ways. The one parity bound (1e-5).
 
-The single-process reference is the mean of the data-parallel ranks' own losses (``third_party.reference_run``):
-the load-balancing loss is each batch's own, so that is what data-parallel training computes at any ``dp``.
+The single-process reference runs the global batch (``third_party.reference_run``): Cuboid sums the load-balancing
+statistic over the ranks (``load_balancing="global"``). Under pp it is each microbatch's: the reference runs the
+ranks' ``m``-th microbatches together. The ``-local`` run keeps each rank's own, against the mean of the ranks' own
+losses.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import parity_lib
 import pytest
 import third_party
 import torch
@@ -24,23 +28,62 @@ from parity_lib import GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEQ, parity_errors
 STEPS = 6  # of the epoch's 12
 LOG_EVERY = 2  # CuboidMonitor logs (and counts expert load) on steps 0, 2 and 4
 EP2 = {"expert_parallel": 2}
+CP_SEQ = 63  # a transformers model reads seq + 1 = 64 tokens: a multiple of 2 x cp
 RUNS: dict[str, tuple[int, dict]] = {
     "hf_qwen3_moe-ep2": (2, {"model": "hf_qwen3_moe", "strategy": EP2}),
+    # each rank's own statistic, as DDP computes it (the default sums it over the ranks: "global")
+    "hf_qwen3_moe-ep2-local": (2, {"model": "hf_qwen3_moe", "strategy": {**EP2, "load_balancing": "local"}}),
     "hf_mixtral-ep2": (2, {"model": "hf_mixtral", "strategy": EP2}),
     "hf_qwen3_moe-ep2-in-dp_shard4": (4, {"model": "hf_qwen3_moe", "strategy": EP2}),
     "hf_qwen3_moe-ep2xhsdp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "data_parallel_replicate": 2}}),
     # the model's own tp plan without its expert entries: experts whole on each tp rank (split over ep when asked)
     "hf_qwen3_moe-tp2": (2, {"model": "hf_qwen3_moe", "strategy": {"tensor_parallel": 2}}),
     "hf_mixtral-ep2xtp2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "tensor_parallel": 2}}),
-    # under pp the load-balancing loss is refused (no stage holds every layer's router logits): trained without it
-    "hf_qwen3_moe_noaux-pp2xep2": (4, {"model": "hf_qwen3_moe_noaux", "strategy": {**EP2, "pipeline_parallel": 2}}),
-}
+    "hf_qwen3_moe-ep2xtp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "tensor_parallel": 2}}),
+    # under pp the router logits travel with the hidden states; the load-balancing loss is each microbatch's own
+    "hf_qwen3_moe-pp2xep2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "pipeline_parallel": 2}}),
+    "hf_mixtral-pp2xep2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "pipeline_parallel": 2}}),
+    # under cp the load-balancing statistic is summed over the sequence's ranks (padding left out, as the model does)
+    "hf_qwen3_moe-ep2xcp2-padded": (2, {"model": "hf_qwen3_moe", "strategy": {**EP2, "context_parallel": 2},
+                                        "seq": CP_SEQ, "padded": True}),
+    "hf_mixtral-pp2xcp2xep2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "context_parallel": 2,
+                                                                       "pipeline_parallel": 2}, "seq": CP_SEQ}),
+    # Cuboid's own MoE (parity_lib.MOE_CFG): each block's load-balancing loss from its parts summed over the ranks
+    "cuboid_moe-ep2": (2, {"model": "cuboid_moe", "strategy": EP2}),
+    "cuboid_moe-pp2xcp2xep2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "context_parallel": 2,
+                                                                       "pipeline_parallel": 2}, "seq": 64}),
+}  # fmt: skip
+CLIP_CUBOID_MOE = {SEQ: 1.4, 64: 1.33}  # the reference clips on some steps and not on others
 
 
 def dp_of(name: str) -> int:
-    """The data-parallel ranks of a run (tp peers and pipeline stages read the same batch)."""
+    """The data-parallel ranks of a run (tp and cp peers and pipeline stages read the same batch)."""
     world, spec = RUNS[name]
-    return world // (spec["strategy"].get("tensor_parallel", 1) * spec["strategy"].get("pipeline_parallel", 1))
+    return world // math.prod(spec["strategy"].get(f"{d}_parallel", 1) for d in ("tensor", "pipeline", "context"))
+
+
+def clip_of(name: str) -> float:
+    spec = RUNS[name][1]
+    if spec["model"] == "cuboid_moe":
+        return CLIP_CUBOID_MOE[spec.get("seq", SEQ)]
+    return third_party.clip(spec["model"], spec.get("padded", False))
+
+
+def reference(name: str) -> third_party.Reference:
+    """The single-process run that ``name`` must match: the same batches, as many data-parallel shares, and under
+    pp the pipeline's default microbatches (2 per stage), each with its own load-balancing loss."""
+    spec = RUNS[name][1]
+    pp, padded = spec["strategy"].get("pipeline_parallel", 1), spec.get("padded", False)
+    if spec["model"] == "cuboid_moe":
+        return parity_lib.reference_run(
+            clip=clip_of(name), steps=STEPS, seq=spec.get("seq", SEQ), cfg=parity_lib.MOE_CFG,
+            microbatches=2 * pp if pp > 1 else 1,
+        )  # fmt: skip
+    return third_party.reference_run(
+        spec["model"], dp=dp_of(name), steps=STEPS, max_norm=third_party.clip(spec["model"], padded),
+        microbatches=2 * pp if pp > 1 else 1, seq=spec.get("seq", SEQ), padded=padded,
+        local_balance=spec["strategy"].get("load_balancing") == "local",
+    )  # fmt: skip
 
 
 QWEN = {"model": "hf_qwen3_moe", "clip": third_party.clip("hf_qwen3_moe")}
@@ -76,7 +119,13 @@ def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Itera
     ]
     for world in (2, 4):
         specs = [
-            {"name": name, "max_steps": STEPS, "clip": third_party.clip(spec["model"]), "log_every": LOG_EVERY, **spec}
+            {
+                "name": name,
+                "max_steps": STEPS,
+                "clip": clip_of(name),
+                "log_every": LOG_EVERY,
+                **spec,
+            }  # fmt: skip
             for name, (w, spec) in RUNS.items()
             if w == world
         ]
@@ -93,9 +142,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Itera
 @pytest.mark.parametrize("name", list(RUNS))
 def test_expert_parallel_matches_single_process(name: str, results) -> None:
     world, spec = RUNS[name]
-    family = spec["model"]
-    limit = third_party.clip(family)
-    ref = third_party.reference_run(family, dp=dp_of(name), steps=STEPS, max_norm=limit)
+    limit = clip_of(name)
+    ref = reference(name)
     clipped = [n > limit for n in ref.grad_norms]
     assert any(clipped) and not all(clipped), (name, ref.grad_norms)  # clipping is exercised, both ways
     got = results[name]
@@ -129,13 +177,17 @@ def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) ->
     trainer.devices=4``: Cuboid's Llama with 4 experts per block (top-2, a shared expert, the load-balancing loss in
     the training loss), each of the 2 data-parallel ranks' tp pairs holding 2 experts (the MoE feed-forwards whole
     on each tp rank, between sequence-parallel norms), trains step for step as the same job on 2 processes with
-    every expert on every rank (FSDP only). (ep2 alone: the transformers families above.)"""
+    every expert on every rank (FSDP only). So does pp2 x ep2, its load-balancing loss summed over the two stages'
+    blocks along the pipeline: with one microbatch (GPipe) it is the whole batch's, as at pp1. (ep2 alone: the
+    transformers families above.)"""
     common = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=300000", "data.seq_len=64", "data.batch_size=4",
               "model=moe_debug", "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.log_every_n_steps=1",
               "trainer.enable_progress_bar=false", "logger=none"]  # fmt: skip
     runs = {}
     for name, extra in {"ep1": ["strategy.expert_parallel=1"],
-                        "ep2xtp2": ["strategy.expert_parallel=2", "strategy.tensor_parallel=2", "trainer.devices=4"]}.items():  # fmt: skip
+                        "ep2xtp2": ["strategy.expert_parallel=2", "strategy.tensor_parallel=2", "trainer.devices=4"],
+                        "pp2xep2": ["strategy.expert_parallel=2", "strategy.pipeline_parallel=2", "trainer.devices=4",
+                                    "strategy.pipeline_schedule=GPipe", "strategy.microbatches=1"]}.items():  # fmt: skip
         run = tmp_path / name
         cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), *common, *extra]
         run_checked([*cmd, f"hydra.run.dir={run}"], timeout=300, cwd=tmp_path)
@@ -146,29 +198,29 @@ def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) ->
         2,
         4,
     )
-    for name in ("ep2xtp2",):
+    assert (runs["pp2xep2"]["layout"]["pp"], runs["pp2xep2"]["layout"]["ep"]) == (2, 2)
+    for name in ("ep2xtp2", "pp2xep2"):
         assert len(runs[name]["losses"]) == 6
         assert runs[name]["losses"] == pytest.approx(runs["ep1"]["losses"], rel=1e-5), name
         assert runs[name]["val_ppl"] == pytest.approx(runs["ep1"]["val_ppl"], rel=1e-5), name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [name for name in RUNS if name.startswith("hf_")])
 def test_expert_load_is_logged_on_logging_steps_as_the_routers_chose(name: str, results) -> None:
     """CuboidMonitor's ``moe/*`` figures, as the logger received them, on logging steps only; each equals the
     figure computed from the single-process reference's own router choices (the same tokens, summed over the
     data-parallel ranks that read them)."""
     spec = RUNS[name][1]
-    ref = third_party.reference_run(
-        spec["model"], dp=dp_of(name), steps=STEPS, max_norm=third_party.clip(spec["model"])
-    )
+    ref = reference(name)
     logged = {int(row["step"]): row for row in results[name]["logged"] if "moe/load_imbalance" in row}
     pp = spec["strategy"].get("pipeline_parallel", 1)
     steps = range(LOG_EVERY if pp > 1 else 0, STEPS, LOG_EVERY)  # under pp: none from the shape-inference step
     assert len(logged) == len(steps), results[name]["logged"]
     for (at, row), step in zip(sorted(logged.items()), steps, strict=True):
         counts = ref.loads[step][: len(ref.loads[step]) // pp]  # (layers, experts) of rank 0's stage
-        assert counts.sum() == 2 * GLOBAL_BATCH * (SEQ + 1) * counts.shape[0]  # top-2 of every token, every layer
+        tokens = GLOBAL_BATCH * (spec.get("seq", SEQ) + 1)
+        assert counts.sum() == 2 * tokens * counts.shape[0]  # top-2 of every token (padding too), every layer
         mean = counts.mean(dim=1)
         expected = {
             "moe/tokens_per_expert_max": float(counts.max()),

@@ -287,7 +287,7 @@ def test_two_stages_compute_what_the_model_computes(family: str) -> None:
     """The decoder's stages, run one after the other on a padded batch, give the model's own logits, and the
     microbatches' weighted losses add up to the model's loss on the whole batch."""
     from cuboid.parallel.plans import find_blocks
-    from cuboid.pipeline import decoder
+    from cuboid.pipeline import decoder_call
     from cuboid.pipeline.stages import build_stages, find_pipeline_split, stage_blocks
 
     torch.manual_seed(0)
@@ -311,11 +311,11 @@ def test_two_stages_compute_what_the_model_computes(family: str) -> None:
         hidden = first(batch["tokens"], attention_mask=batch["attention_mask"])
         logits = last(hidden, attention_mask=batch["attention_mask"])
         assert torch.allclose(logits, want.logits, rtol=0, atol=1e-6), (logits - want.logits).abs().max()
-        plan = decoder.bind_call(
+        plan = decoder_call.bind_call(
             model, (), {"input_ids": batch["tokens"], "attention_mask": batch["attention_mask"],
                         "labels": batch["labels"]}, "training_step", "model")  # fmt: skip
         losses = [
-            decoder.microbatch_output(model, lg, (), {"labels": lb}, plan.predicted_tokens(), 2).loss
+            decoder_call.microbatch_output(model, lg, (), {"labels": lb}, plan.predicted_tokens(), 2).loss
             for lg, lb in zip(logits.tensor_split(2), batch["labels"].tensor_split(2), strict=True)
         ]
     counts = [int((lb[:, 1:] != -100).sum()) for lb in batch["labels"].tensor_split(2)]
@@ -340,16 +340,16 @@ def test_a_model_that_scales_its_embeddings_in_forward_is_refused_with_the_reaso
 
 
 def test_a_step_whose_keyword_tensors_cannot_be_split_is_refused() -> None:
-    from cuboid.pipeline import decoder
+    from cuboid.pipeline import decoder, decoder_call
 
     model = third_party.build_model("hf_llama")
     ids = torch.zeros(4, 8, dtype=torch.long)
     with pytest.raises(decoder.DecoderSplitError, match=r"position_ids of shape \(8,\) .* batch size 4"):
-        decoder.bind_call(model, (), {"input_ids": ids, "position_ids": torch.arange(8)}, "training_step", "model")
+        decoder_call.bind_call(model, (), {"input_ids": ids, "position_ids": torch.arange(8)}, "training_step", "model")
     with pytest.raises(decoder.DecoderSplitError, match="without input_ids"):
-        decoder.bind_call(model, (), {"inputs_embeds": torch.zeros(4, 8, 64)}, "training_step", "model")
+        decoder_call.bind_call(model, (), {"inputs_embeds": torch.zeros(4, 8, 64)}, "training_step", "model")
     with pytest.raises(decoder.DecoderSplitError, match="output_hidden_states=True"):
-        decoder.bind_call(model, (ids,), {"output_hidden_states": True}, "training_step", "model")
+        decoder_call.bind_call(model, (ids,), {"output_hidden_states": True}, "training_step", "model")
 
 
 def test_a_step_that_calls_the_model_twice_is_refused() -> None:

@@ -208,7 +208,8 @@ def test_expert_parallel_cuts_the_gathered_experts_not_the_persistent_shards() -
     assert {o.setup.ep for o in options if o.setup.tp == 1 and o.setup.pp == 1 and o.setup.cp == 1} == {1, 2, 4, 8}
     assert {o.setup.ep for o in options if o.setup.tp == 2 and o.setup.pp == 1 and o.setup.cp == 1} == {1, 2, 4}
     assert {o.setup.ep for o in options if o.setup.pp == 2 and o.setup.tp == 1} == {1, 2, 4}
-    assert all(o.setup.ep == 1 for o in options if o.setup.cp > 1)
+    # with cp, EP borrows from dp_shard x cp: at dp_shard 4 x cp 2, up to 8
+    assert {o.setup.ep for o in options if (o.setup.dp_shard, o.setup.cp, o.setup.tp) == (4, 2, 1)} == {1, 2, 4, 8}
 
 
 def test_the_dry_run_splits_experts_over_ep_and_agrees_with_the_planners_bytes(tmp_path) -> None:
