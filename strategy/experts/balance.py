@@ -166,6 +166,11 @@ class LoadBalancing:
         finally:
             _ACTIVE.pop()
 
+    @property
+    def checked(self) -> bool:
+        """Whether :meth:`check` has compared the two formulas (on finite values)."""
+        return self._checked
+
     def whole(self, parts: Tensor) -> Tensor:
         """``parts`` summed over the ranks that hold the step's other tokens (differentiable)."""
         return _SumOverRanks.apply(parts, self.groups, self.ranks) if self.groups else parts

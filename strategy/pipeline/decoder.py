@@ -271,7 +271,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
         return result.logits
     experts = self.num_experts
     lb = balance.active()
-    if lb is not None and out.router_logits:  # once: the model's own aux_loss (of this stage's layers) = Cuboid's
+    if lb is not None and not lb.checked and out.router_logits:  # the model's own aux_loss (its layers') = ours
         own = balance.statistics(out.router_logits, experts, self.num_experts_per_tok, mask.get("attention_mask"))
         lb.check(self, result.aux_loss, balance.loss_of(own, experts))
     whole = lb.whole(parts) if lb is not None else parts

@@ -70,7 +70,7 @@ def test_a_load_balancing_loss_of_another_form_is_refused() -> None:
     balance = LoadBalancing("global")
     balance.check(torch.nn.Linear(1, 1), torch.tensor(float("nan")), ours)
     balance.check(torch.nn.Linear(1, 1), ours.clone(), ours)
-    assert balance._checked
+    assert balance.checked
 
 
 def test_the_statistic_and_its_sum_read_nothing_back_from_the_device(tmp_path: Path) -> None:
