@@ -35,6 +35,7 @@ RUNS: dict[str, tuple[int, dict]] = {
     "hf_qwen3_moe-ep2-local": (2, {"model": "hf_qwen3_moe", "strategy": {**EP2, "load_balancing": "local"}}),
     "hf_mixtral-ep2": (2, {"model": "hf_mixtral", "strategy": EP2}),
     "hf_qwen3_moe-ep2-in-dp_shard4": (4, {"model": "hf_qwen3_moe", "strategy": EP2}),
+    "hf_mixtral-ep2-in-dp_shard4": (4, {"model": "hf_mixtral", "strategy": EP2}),
     "hf_qwen3_moe-ep2xhsdp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "data_parallel_replicate": 2}}),
     # the model's own tp plan without its expert entries: experts whole on each tp rank (split over ep when asked)
     "hf_qwen3_moe-tp2": (2, {"model": "hf_qwen3_moe", "strategy": {"tensor_parallel": 2}}),
@@ -50,6 +51,9 @@ RUNS: dict[str, tuple[int, dict]] = {
                                                                        "pipeline_parallel": 2}, "seq": CP_SEQ}),
     # Cuboid's own MoE (parity_lib.MOE_CFG): each block's load-balancing loss from its parts summed over the ranks
     "cuboid_moe-ep2": (2, {"model": "cuboid_moe", "strategy": EP2}),
+    "cuboid_moe-ep2-in-dp_shard4": (4, {"model": "cuboid_moe", "strategy": EP2}),
+    "cuboid_moe-ep2xtp2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "tensor_parallel": 2}}),
+    "cuboid_moe-pp2xep2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "pipeline_parallel": 2}}),
     "cuboid_moe-pp2xcp2xep2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "context_parallel": 2,
                                                                        "pipeline_parallel": 2}, "seq": 64}),
 }  # fmt: skip
