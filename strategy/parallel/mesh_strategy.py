@@ -25,31 +25,18 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 
-class MeshStrategy(ParallelStrategy):
-    """A ``ParallelStrategy`` on one device mesh with a flattened data-parallel sub-mesh ``"dp"``: data is split
-    over ``dp`` only, ``reduce`` (``self.log(sync_dist=True)``) averages over ``dp``, decisions go over every rank.
+class MeshCollectives:
+    """What a strategy on one device mesh answers, the Trainer's (:class:`MeshStrategy`) and Fabric's
+    (:class:`cuboid.fabric.CuboidStrategy`) alike: the mesh, its flattened data-parallel sub-mesh ``"dp"`` (data is
+    split over ``dp`` only), the sampler's arguments, and barrier, broadcast and decisions over every rank.
     Subclasses set ``_device_mesh``, ``_dp_mesh`` and ``_process_group_backend`` in ``setup_environment``."""
 
     _device_mesh: DeviceMesh | None = None
     _dp_mesh: DeviceMesh | None = None
     _process_group_backend: str | None = None
+    parallel_devices: list[torch.device] | None
+    local_rank: int
 
-    @property
-    @override
-    def precision_plugin(self) -> CuboidPrecision:
-        if not isinstance(self._precision_plugin, CuboidPrecision):
-            self._precision_plugin = CuboidPrecision()
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning hands a third-party strategy an autocast/casting plugin; keep its precision name only.
-        if plugin is None or isinstance(plugin, CuboidPrecision):
-            self._precision_plugin = plugin
-        else:
-            self._precision_plugin = CuboidPrecision(str(plugin.precision))
-
-    # ------------------------------------------------------------------ layout and mesh
     @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh ``("pp", "dp_replicate", "dp_shard", "tp")``."""
@@ -82,9 +69,7 @@ class MeshStrategy(ParallelStrategy):
             raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
         return self._dp_mesh
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
+    def mesh_root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
@@ -96,10 +81,8 @@ class MeshStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         return True
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Split data over the data-parallel ranks only: tp (and pp) peers get the same batch."""
+    def dp_sampler_kwargs(self) -> dict[str, Any]:
+        """A sampler's split over the data-parallel ranks only: tp, cp and pp peers get the same batch."""
         return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
 
     @property
@@ -112,8 +95,7 @@ class MeshStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    @override
-    def barrier(self, name: str | None = None) -> None:
+    def barrier_all(self) -> None:
         if not compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
@@ -121,31 +103,77 @@ class MeshStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not compat.distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses):
-        tp and pp peers hold the same values and must not be counted again."""
+    def reduce_over_dp(self, tensor: Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Any:
+        """All-reduce ``tensor`` over ``group``, by default the data-parallel group (tp and pp peers and cp ranks
+        hold the same values and must not be counted again); anything but a tensor is returned as is."""
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self._device_mesh is not None:
             group = self.dp_group
         return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Agree on a decision over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...). Lightning's default
-        sums the flag over :meth:`reduce`'s data-parallel group and compares it with the world size: under tp or
-        pp the two never match."""
+    def decide_over_all(self, decision: bool, all: bool = True) -> bool:
+        """A decision agreed over every rank: all of them (``all``) or any."""
         if not compat.distributed_is_initialized():
             return decision
         flag = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+class MeshStrategy(MeshCollectives, ParallelStrategy):
+    """The Trainer's ``ParallelStrategy`` on one device mesh: ``reduce`` (``self.log(sync_dist=True)``) averages
+    over ``dp``; the precision plugin is always a :class:`~cuboid.step.precision.CuboidPrecision`."""
+
+    @property
+    @override
+    def precision_plugin(self) -> CuboidPrecision:
+        if not isinstance(self._precision_plugin, CuboidPrecision):
+            self._precision_plugin = CuboidPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands a third-party strategy an autocast/casting plugin; keep its precision name only.
+        if plugin is None or isinstance(plugin, CuboidPrecision):
+            self._precision_plugin = plugin
+        else:
+            self._precision_plugin = CuboidPrecision(str(plugin.precision))
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.mesh_root_device()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split data over the data-parallel ranks only: tp (and pp) peers get the same batch."""
+        return self.dp_sampler_kwargs()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self.barrier_all()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses)."""
+        return self.reduce_over_dp(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a decision over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...). Lightning's default
+        sums the flag over :meth:`reduce`'s data-parallel group and compares it with the world size: under tp or
+        pp the two never match."""
+        return self.decide_over_all(decision, all)

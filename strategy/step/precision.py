@@ -27,8 +27,9 @@ from cuboid.step.nonfinite import NonFiniteGuard
 SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
 
-class CuboidPrecision(Precision):
-    """Precision plugin for :class:`~cuboid.CuboidStrategy`.
+class PrecisionPolicy:
+    """What Cuboid's precision plugins share, the Trainer's (:class:`CuboidPrecision`) and Fabric's
+    (:class:`cuboid.fabric.FabricPrecision`):
 
     * ``"32-true"``: fp32 everywhere.
     * ``"bf16-mixed"``: fp32 sharded parameters and optimizer state; FSDP2 all-gathers bf16
@@ -65,12 +66,10 @@ class CuboidPrecision(Precision):
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
 
-    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
 
     @contextmanager
-    @override
     def module_init_context(self) -> Generator[None, None, None]:
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.param_dtype)
@@ -79,13 +78,17 @@ class CuboidPrecision(Precision):
         finally:
             torch.set_default_dtype(default)
 
-    @override
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":
             return data
         from lightning.fabric.utilities.apply_func import apply_to_collection
 
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+
+class CuboidPrecision(PrecisionPolicy, Precision):
+    """The Trainer's precision plugin for :class:`~cuboid.CuboidStrategy` (see :class:`PrecisionPolicy`), with
+    global-norm clipping and the non-finite check."""
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
