@@ -140,6 +140,13 @@ class Checkpointer:
             # batches of the current epoch already trained: a mid-epoch resume skips them
             "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
         }
+        self.write(path, module, optimizers, checkpoint, mesh)
+
+    def write(
+        self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], state: dict[str, Any], mesh: Any
+    ) -> None:
+        """Write ``module``'s and ``optimizers``' shards and ``state`` (Lightning's checkpoint dict, or a Fabric
+        loop's other entries) to ``path`` in the format set, in the background when saves are async."""
         self.wait()
         fmt = FORMATS[self.format]
         self.make_group()  # made at setup; again here only if async saves or the format were switched on since
@@ -148,7 +155,7 @@ class Checkpointer:
                 path,
                 module,
                 optimizers,
-                checkpoint,
+                state,
                 mesh=mesh,
                 group=self._group,
                 background=self.async_save,

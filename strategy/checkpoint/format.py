@@ -120,6 +120,46 @@ def check_loadable(path: Path, allow_file: bool = False) -> None:
         )
 
 
+def _rebase_of(stored: set[str], expected: dict[str, Any]) -> tuple[str, str] | None:
+    """``(ours, theirs)``: the name prefix to swap so that this model's parameter names are the checkpoint's, when
+    they differ by one leading prefix on either side, as a model trained in a Fabric loop (``layers.0.w``) and the
+    same model as a LightningModule's child (``model.layers.0.w``) do; ``None`` when the names already match or no
+    one prefix explains the difference. Decided on every rank's names together (pipeline stages hold parts)."""
+    wanted = set(expected)
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, wanted)
+        wanted = set().union(*everyone)
+    have = {k[len("model.") :] for k in stored if k.startswith("model.")}
+    if not wanted or not have or wanted == have:
+        return None
+    first_wanted, first_have = min(wanted), min(have)
+    for ours, theirs in (("", first_have[: -len(first_wanted)]), (first_wanted[: -len(first_have)], "")):
+        if not (ours or theirs).endswith(".") or not (first_have if theirs else first_wanted).startswith(ours + theirs):
+            continue
+        if {theirs + k[len(ours) :] for k in wanted if k.startswith(ours)} == have and all(
+            k.startswith(ours) for k in wanted
+        ):
+            return ours, theirs
+    return None
+
+
+def _rebased(state: dict[str, Any], ours: str, theirs: str) -> dict[str, Any]:
+    """``state`` (``{"model": ..., "optimizer_<i>": ...}``, flattened) with the parameter-name prefix ``ours``
+    replaced by ``theirs`` in every key (the optimizers' ``state.<name>...`` and ``param_groups.<name>...`` too)."""
+
+    def swap(key: str, heads: tuple[str, ...]) -> str:
+        for head in heads:
+            if key.startswith(head + ours):
+                return head + theirs + key[len(head + ours) :]
+        return key
+
+    return {
+        part: {swap(k, ("",) if part == "model" else ("state.", "param_groups.")): v for k, v in entries.items()}
+        for part, entries in state.items()
+    }
+
+
 def _check_keys(path: Path, stored: set[str], expected: dict[str, Any]) -> None:
     """Refuse a checkpoint whose model entries (``model.<fqn>``) are not this model's parameters."""
     wanted = {f"model.{k}" for k in expected}
@@ -193,12 +233,17 @@ def load_state(
     if not any(k.startswith("optimizer_") for k in stored):
         optimizers = []
     state = state_dicts(module, optimizers)
+    names = _rebase_of(stored, state["model"])
+    if names is not None:  # the same model one level up or down (a Fabric loop's model, a LightningModule's child)
+        state = _rebased(state, *names)
     if strict:
         _check_keys(path, stored, state["model"])
     try:
         dcp.load(state, **dcp_load)
     except Exception as err:  # DCP wraps per-rank read failures
         raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+    if names is not None:
+        state = _rebased(state, names[1], names[0])
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for idx, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
