@@ -21,7 +21,7 @@ Three interceptions, all undone when the step ends, none an edit to the model or
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,10 +66,18 @@ class ContextParallel:
         self._inside = False
         self._transformers = False  # a transformers model: the padding mask rides along as KEY_PADDING
 
-    def setup(self, lm: nn.Module, blocks: list[str], group: dist.ProcessGroup, runner: Any = None) -> None:
+    def setup(
+        self,
+        lm: nn.Module,
+        blocks: list[str],
+        group: dist.ProcessGroup,
+        runner: Any = None,
+        root: nn.Module | None = None,
+    ) -> None:
         """Hook the LightningModule's model (its child that holds the ``blocks``, e.g. ``self.model``: the module
-        whose forward takes the token ids) and run its attention across ``group``. ``runner``: under pp, the
-        pipeline's runner, which calls the stages and cuts their inputs with :meth:`pipeline_inputs` (no hook)."""
+        whose forward takes the token ids; ``root`` when given, as under Fabric, where the module set up is the
+        model) and run its attention across ``group``. ``runner``: under pp, the pipeline's runner, which calls the
+        stages and cuts their inputs with :meth:`pipeline_inputs` (no hook)."""
         from cuboid.context import hf
 
         if not blocks:
@@ -77,7 +85,7 @@ class ContextParallel:
                 f"context_parallel={self.size}: Cuboid found no repeated blocks in {type(lm).__name__}, so no model "
                 "to split the sequence for. Name them with block_container='model.layers', or use context_parallel=1."
             )
-        root = lm.get_submodule(blocks[0].split(".")[0])
+        root = root if root is not None else lm.get_submodule(blocks[0].split(".")[0])
         self.group, self.rank = group, dist.get_rank(group)
         self.positions_keyword = positions_keyword(root)
         self._transformers = hf.use_cp_attention(root)
@@ -162,6 +170,27 @@ class ContextParallel:
     def step_padding(self) -> torch.Tensor | None:
         """This rank's share of the running step's padding mask (None without one, or outside a step)."""
         return None if active() is not self or self.padding is None else self.local_padding(self.padding)
+
+    def gather_output(self, output: Any) -> Any:
+        """The model's output with every tensor of this rank's ``(batch, local tokens, ...)`` made whole again
+        (``(batch, seq, ...)``, global order; differentiable): for a loss computed after the forward, outside the
+        step (a Fabric loop). Tensors, tuples, lists and mappings (a transformers ``ModelOutput``) are walked."""
+        if not self.enabled or self._seq is None or self.group is None:
+            return output
+        batch, seq_len = self._seq
+        local = seq_len // self.size
+
+        def whole(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, local):
+                return gather_tokens(value, self.group)
+            if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+                return type(value)(whole(v) for v in value)
+            if isinstance(value, Mapping):
+                fields = {k: whole(v) for k, v in value.items()}
+                return type(value)(**fields) if type(value) is not dict else fields
+            return value
+
+        return whole(output)
 
     def pipeline_inputs(
         self, first: tuple, stage_kwargs: dict[str, Any], tokens: torch.Tensor, microbatches: int

@@ -135,14 +135,16 @@ class LoadBalancing:
         cp: list[tuple[str, Any]],
         plain: bool,
         padding: Callable[[], Tensor | None] | None = None,
+        root: nn.Module | None = None,
     ) -> None:
-        """``lm``'s model (the child holding the ``blocks``). ``data`` / ``cp``: (name, group) of the dims whose
-        ranks hold different tokens. ``plain``: no pipeline, so the model's output is adjusted by a forward hook (a
-        pipeline's last stage computes the loss itself). ``padding``: under cp, this rank's share of the step's
-        padding mask (the model itself is given none), else None."""
+        """``lm``'s model (the child holding the ``blocks``; ``root`` when given, as under Fabric, where the module
+        set up is the model). ``data`` / ``cp``: (name, group) of the dims whose ranks hold different tokens.
+        ``plain``: no pipeline, so the model's output is adjusted by a forward hook (a pipeline's last stage computes
+        the loss itself). ``padding``: under cp, this rank's share of the step's padding mask (the model itself is
+        given none), else None."""
         if not blocks:
             return
-        model = lm.get_submodule(blocks[0][0].split(".")[0])
+        model = root if root is not None else lm.get_submodule(blocks[0][0].split(".")[0])
         self._padding = padding
         chosen = data + cp if self.mode == "global" else cp
         self.groups = [group for _, group in chosen if dist.get_world_size(group) > 1]

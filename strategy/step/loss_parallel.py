@@ -82,7 +82,7 @@ class LossParallel:
         return loss_parallel() if self.enabled else nullcontext()
 
 
-__all__ = ["LossParallel", "plain", "plain_output"]
+__all__ = ["LossParallel", "as_output", "plain", "plain_output"]
 
 
 def under_layout(matched: dict[str, tuple[Any, str]], pp: int, cp: int = 1) -> tuple[dict[str, tuple[Any, str]], bool]:
@@ -92,4 +92,10 @@ def under_layout(matched: dict[str, tuple[Any, str]], pp: int, cp: int = 1) -> t
     uses = any(style == "loss_parallel" for _, style in matched.values())
     if not uses or (pp == 1 and cp == 1):
         return matched, uses
-    return {name: (module, "output" if s == "loss_parallel" else s) for name, (module, s) in matched.items()}, False
+    return as_output(matched), False
+
+
+def as_output(matched: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+    """The plan with every ``"loss_parallel"`` entry applied as ``"output"`` (logits gathered, plain): for a loss
+    computed where no strategy context runs (a pipeline's last stage, a Fabric loop)."""
+    return {name: (module, "output" if s == "loss_parallel" else s) for name, (module, s) in matched.items()}
