@@ -1,18 +1,21 @@
 """Cuboid: a PyTorch Lightning strategy for pp x dp x cp x tp training on one device mesh.
 
-``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")``.
+``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")`` and
+``Fabric(strategy="cuboid")`` (``cuboid.fabric.CuboidStrategy``, Fabric's door).
 
 The package's face: the names users import. Behind it, the wings (``cuboid.parallel``, ``cuboid.pipeline``,
 ``cuboid.context``, ``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``) each name their own public API;
 ``docs/architecture.md`` draws the house.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
 from cuboid.experts import ExpertParallelError
+from cuboid.fabric import CuboidStrategy as FabricCuboidStrategy
 from cuboid.job import RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
@@ -21,6 +24,8 @@ from cuboid.strategy import CuboidStrategy
 
 if CuboidStrategy.strategy_name not in StrategyRegistry:
     CuboidStrategy.register_strategies(StrategyRegistry)
+if FabricCuboidStrategy.strategy_name not in FABRIC_STRATEGIES:  # Fabric(strategy="cuboid")
+    FabricCuboidStrategy.register_strategies(FABRIC_STRATEGIES)
 
 __all__ = [
     "CheckpointError",

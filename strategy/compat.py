@@ -8,7 +8,8 @@ too), so an upgrade that changes one fails there, not silently in users' runs.
 
 Hooks that Lightning itself calls by private names are part of writing a Strategy and are not listed
 as uses: ``Strategy._configure_launcher`` / ``_launcher`` and ``_precision_plugin`` (overridden and set
-in strategy.py as Lightning's own strategies do), and torch's ``ParallelStyle._apply`` (the method a
+in strategy.py as Lightning's own strategies do), Fabric's ``_precision`` and ``_backward_sync_control`` (an object
+with ``no_backward_sync(module, enabled)``, set in fabric/strategy.py), and torch's ``ParallelStyle._apply`` (the method a
 custom tensor-parallel style implements, in tp_styles.py).
 """
 
@@ -45,6 +46,11 @@ from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  #
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd as basic_subprocess_cmd  # noqa: F401
 from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+
+# Fabric's script launcher (``fabric.launch()`` re-runs the script per local rank), as its own strategies use it.
+from lightning.fabric.strategies.launchers.subprocess_script import (  # noqa: F401
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
 )
 # isort: on
 

@@ -19,6 +19,9 @@ from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, Pla
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.experts import expert_block
+from cuboid.fabric import CuboidStrategy as FabricStrategy
+from cuboid.fabric.checkpoints import split_state
+from cuboid.fabric.optimizers import check_optimizer
 from cuboid.models import CausalLM, Llama, LlamaConfig
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
@@ -478,6 +481,21 @@ CASES.update(
             _experts_as_modules,
             ExpertParallelError,
             r"model.layers.0.experts \(ModuleList of 4 Linear\) holds its experts as separate modules",
+        ),
+        "pipeline parallel under Fabric": (
+            lambda: FabricStrategy(pipeline_parallel=2),
+            PipelineError,
+            r"pipeline_parallel=2 under Fabric: .* no training_step .* L.Trainer\(strategy=cuboid.CuboidStrategy",
+        ),
+        "an optimizer made before fabric.setup sharded the model": (
+            lambda: check_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), nn.Linear(2, 2)),
+            RuntimeError,
+            r"holds 2 parameter\(s\) that are not the set-up model's: .* Create it after setup, or pass it",
+        ),
+        "a Fabric checkpoint of two models": (
+            lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),
+            CheckpointError,
+            r"the one model set up with fabric.setup .* holds modules: 'model', 'teacher'",
         ),
     }
 )

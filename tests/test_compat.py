@@ -177,6 +177,8 @@ def test_launcher_parts_and_process_group_helpers(tmp_path, monkeypatch) -> None
     assert isinstance(cmd, list) and cmd[0] == sys.executable
     launcher = compat.SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
     assert launcher.is_interactive_compatible is False
+    fabric_launcher = compat.FabricSubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    assert fabric_launcher.is_interactive_compatible is False and callable(fabric_launcher.launch)
     assert compat.default_process_group_backend(torch.device("cpu")) == "gloo"
     assert compat.default_process_group_backend(torch.device("cuda", 0)) == "nccl"
 

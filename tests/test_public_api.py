@@ -18,6 +18,8 @@ PACKAGE = ROOT / "strategy"
 # What users import by name: the face, and the names the README and the guide show.
 PUBLIC = [
     "cuboid.CuboidStrategy",
+    "cuboid.fabric.CuboidStrategy",
+    "cuboid.fabric.FabricPrecision",
     "cuboid.CuboidPrecision",
     "cuboid.Layout",
     "cuboid.LayoutError",
@@ -64,8 +66,9 @@ FLOORS = {
     "pipeline": 3,
     "job": 3,
     "planning": 4,
+    "fabric": 5,  # Fabric's door, beside strategy.py (the Trainer's): it uses the wings as the Trainer glue does
 }
-WINGS = ("parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning")
+WINGS = ("parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning", "fabric")
 
 
 def _resolve(dotted: str) -> object:

@@ -1,0 +1,388 @@
+"""Lightning Fabric's door: :class:`CuboidStrategy` for ``Fabric(strategy=...)``, on the same mesh as the Trainer's.
+
+A Fabric loop has no ``training_step`` for Cuboid to wrap: the user calls the model, computes a loss, calls
+``fabric.backward``, clips and steps. So the strategy works through what Fabric hands it: ``setup_module`` builds the
+model exactly as the Trainer's strategy does (the model's own tensor-parallel plan, ``fully_shard`` per block,
+activation checkpointing, meta-device materialization, pretrained weights), ``setup_optimizer`` checks the optimizer
+holds the sharded parameters, every forward runs in the step's context (:class:`~cuboid.fabric.FabricPrecision`),
+``clip_gradients`` clips by the global norm, ``all_reduce``/``all_gather`` run over the data-parallel ranks, and
+``save``/``load`` write and read the Trainer's checkpoint formats (:mod:`cuboid.checkpoint.fabric`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from cuboid import compat
+from cuboid.checkpoint import Checkpointer
+from cuboid.checkpoint import pretrained as pretrained_weights
+from cuboid.context import ContextParallel
+from cuboid.experts.balance import LoadBalancing
+from cuboid.fabric import checkpoints as fabric_checkpoint
+from cuboid.fabric.optimizers import NoGradientSync, check_optimizer, optimizers_follow
+from cuboid.fabric.precision import FabricPrecision
+from cuboid.job import launch as job_launch
+from cuboid.parallel import build, plans
+from cuboid.parallel.mesh import FLATTENED, Layout, build_device_mesh, build_ep_meshes, check_reshard_after_forward
+from cuboid.parallel.mesh_strategy import MeshCollectives
+from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
+from cuboid.parallel.styles import canonical_style
+from cuboid.pipeline import PipelineError
+from cuboid.step import loss_parallel
+from cuboid.step.grad_norm import clip_grad_norm_
+
+
+class CuboidStrategy(MeshCollectives, ParallelStrategy):
+    """Train a Fabric loop's model on a dp_replicate x dp_shard x cp x tp cuboid: ``Fabric(strategy=CuboidStrategy(
+    tensor_parallel=2))`` or ``Fabric(strategy="cuboid")``. The arguments are the Trainer's
+    :class:`cuboid.CuboidStrategy`'s, for what a Fabric loop can use (``docs/fabric.md``):
+
+    Args:
+        data_parallel_replicate: HSDP replicas (``dp_replicate``); ``1`` = plain FSDP.
+        data_parallel_shard: FSDP shard group (``dp_shard``); ``"auto"`` fills the world size.
+        tensor_parallel: Tensor-parallel degree (``tp``), from the model's own plan or ``tensor_parallel_plan``
+            (names as seen from the module given to ``fabric.setup``).
+        context_parallel: Each sequence split over ``cp`` ranks; the model's output is made whole again over the
+            sequence after each forward, so the loop's loss is unchanged.
+        expert_parallel: Ranks each mixture-of-experts layer's experts are split over, within ``dp_shard``.
+        load_balancing: An MoE's load-balancing loss over the whole step (``"global"``) or each rank's batch.
+        pipeline_parallel: Must be 1: a Fabric loop has no step for a pipeline schedule to replay (use the Trainer).
+        tensor_parallel_plan, block_container, activation_checkpointing, reshard_after_forward, cpu_offload,
+            compile, checkpoint_format, process_group_backend, timeout: as the Trainer's strategy.
+        pretrained: Weights to load per shard, keyed by a module name relative to the module given to
+            ``fabric.setup`` (``""`` = all of it), valued by a transformers directory or safetensors file.
+    """
+
+    strategy_name = "cuboid"
+
+    def __init__(
+        self,
+        data_parallel_replicate: int = 1,
+        data_parallel_shard: int | Literal["auto"] = "auto",
+        tensor_parallel: int = 1,
+        context_parallel: int = 1,
+        expert_parallel: int = 1,
+        load_balancing: Literal["global", "local"] = "global",
+        pipeline_parallel: int = 1,
+        tensor_parallel_plan: Mapping[str, str] | None = None,
+        block_container: str | None = None,
+        activation_checkpointing: ACMode | None = None,
+        reshard_after_forward: bool | int | None = None,
+        cpu_offload: bool = False,
+        compile: bool = False,
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        pretrained: Mapping[str, str | Path | None] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        if pipeline_parallel != 1:
+            raise PipelineError(
+                f"pipeline_parallel={pipeline_parallel} under Fabric: a pipeline schedule runs forward and backward "
+                "of every microbatch itself, and a Fabric loop has no training_step for it to replay. Train with "
+                "L.Trainer(strategy=cuboid.CuboidStrategy(pipeline_parallel=...)) (the same LightningModule, "
+                "unchanged), or use pipeline_parallel=1 with data, tensor and context parallel here."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        check_ac_mode(activation_checkpointing)
+        for pattern, style in (tensor_parallel_plan or {}).items():
+            canonical_style(style, pattern)
+        sizes = (1, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
+        self.layout = Layout(*sizes, ep=expert_parallel)
+        self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
+        self.balance = LoadBalancing(load_balancing)
+        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
+        self.block_container = block_container
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.compile = compile
+        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
+        self.checkpointer = Checkpointer(checkpoint_format, False, barrier=self.barrier)
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._num_nodes = 1
+        self._experts: ExpertsLayout | None = None
+        self._module: nn.Module | None = None
+        self._backward_sync_control = NoGradientSync()
+
+    # ------------------------------------------------------------------ Fabric's plumbing
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.mesh_root_device()
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``fabric.setup_dataloaders`` splits data over the data-parallel ranks only: tp and cp peers read the same
+        batch."""
+        return self.dp_sampler_kwargs()
+
+    @property
+    @override
+    def precision(self) -> FabricPrecision:
+        if not isinstance(self._precision, FabricPrecision):
+            self._precision = FabricPrecision(str(getattr(self._precision, "precision", "32-true")))
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric hands a third-party strategy an autocast or casting plugin; keep its precision name only.
+        if precision is None or isinstance(precision, FabricPrecision):
+            self._precision = precision
+        else:
+            self._precision = FabricPrecision(str(precision.precision))
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
+        check_reshard_after_forward(self.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
+        if not env.creates_processes_externally:
+            self._launcher = compat.FabricSubprocessScriptLauncher(env, procs, nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        layout = self.layout.resolve(self.world_size)
+        backend = self._process_group_backend or compat.default_process_group_backend(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        job_launch.start_process_group(self.cluster_environment, backend, self.root_device, self._timeout)
+        self.layout = layout
+        self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
+        if layout.ep > 1:
+            self._experts = ExpertsLayout(*build_ep_meshes(self._device_mesh, layout.ep), layout.dp * layout.cp)
+        precision = FabricPrecision(self.precision.precision, self._device_mesh, FLATTENED)
+        precision.step_context, precision.whole_output = self._step, self.context.gather_output
+        self._precision = precision
+        rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes (Fabric)")
+
+    # ------------------------------------------------------------------ the model and its optimizers
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Parallelize ``module`` in place (or respect a model the user parallelized by hand) and return it."""
+        check_no_fsdp1(module)
+        if self._module is not None and self._module is not module:
+            raise RuntimeError(
+                "CuboidStrategy under Fabric sets up one model per Fabric (its mesh, plan and step context are the "
+                "model's). Put the models in one nn.Module, or give each its own Fabric."
+            )
+        if is_parallelized_by_user(module):
+            holder = nn.Module()
+            holder.add_module(_HELD, module)
+            sources = pretrained_weights.plan_all(holder, {_child(k): v for k, v in self.pretrained.items()})
+            compat.materialize_distributed_module(module, self.root_device)
+            for source in sources:
+                pretrained_weights.load(holder, source)
+        elif self._module is None:
+            self._parallelize(module)
+        self._module = module
+        self.checkpointer.make_group()
+        if not self.cpu_offload:
+            module.to(self.root_device)
+        return module
+
+    def _parallelize(self, module: nn.Module) -> None:
+        matched = loss_parallel.as_output(plans.resolve_plan(module, self.tensor_parallel_plan, self.layout.tp))
+        mesh = self.device_mesh
+        module = self.precision.convert_module(module)
+        blocks = plans.find_blocks(module, self.block_container)
+        # The weights are prepared and filled as a LightningModule's child's are, so that a model built on meta is
+        # initialised by its own init as a whole (a transformers model's _init_weights reaches its lm_head too).
+        holder, pretrained = nn.Module(), {_child(k): v for k, v in self.pretrained.items()}
+        holder.add_module(_HELD, module)
+        weights = build.prepare_weights(holder, pretrained, self.root_device, pipelined=False)
+        settings = build.ParallelSettings.on(
+            mesh,
+            mp_policy=self.precision.mixed_precision_policy,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+            experts=self._experts,
+        )
+        build.parallelize_plain(module, blocks, matched, settings)
+        held_blocks = [(_child(name), block) for name, block in blocks]
+        build.finish_weights(holder, weights, held_blocks, self.root_device, mesh["dp"], self.cpu_offload)
+        if self.context.enabled:
+            self.context.setup(module, [name for name, _ in blocks], mesh["cp"].get_group(), root=module)
+        self.balance.setup(module, blocks, *self.token_groups(), True, self.context.step_padding, root=module)
+        rank_zero_info(
+            f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
+            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
+        )
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """``fabric.setup(model, optimizer)`` with an optimizer made before sharding: its parameter groups are
+        pointed at the sharded parameters (by name). An optimizer that already holds state is refused."""
+        with optimizers_follow(module, optimizers):
+            module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that ``optimizer`` steps the model's sharded parameters (not copies from before ``fabric.setup``)."""
+        if self._module is not None:
+            check_optimizer(optimizer, self._module)
+        return optimizer
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # weights move to the device while they are sharded, in setup_module
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> Any:
+        """``fabric.init_module(empty_init=True)`` builds on the meta device; ``setup`` materializes the shards."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @contextmanager
+    def _step(self) -> Generator[None, None, None]:
+        with self.context.step() if self.context.enabled else nullcontext(), self.balance.step():
+            yield
+
+    # ------------------------------------------------------------------ the step's numerics and collectives
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global L2 norm over every shard of every parameter (as one process would). With
+        ``error_if_nonfinite`` (Fabric's default) a NaN/Inf norm raises: one host read per call, as torch's own
+        ``clip_grad_norm_``; pass ``error_if_nonfinite=False`` for none."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"CuboidStrategy clips by the global L2 norm; norm_type={norm_type} is not supported.")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = clip_grad_norm_(params, float(max_norm), self.device_mesh, FLATTENED, set())
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"The total norm of the gradients is {float(norm)}: non-finite, so clipping them is meaningless. "
+                "Pass error_if_nonfinite=False to fabric.clip_gradients to clip anyway."
+            )
+        return norm
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Over the data-parallel ranks by default (tp and cp peers hold the same values)."""
+        return self.reduce_over_dp(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Over the data-parallel ranks by default (one copy per batch, not one per tp or cp peer)."""
+        if group is None and self._device_mesh is not None:
+            group = self.dp_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self.barrier_all()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.broadcast_object(obj, src)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return self.decide_over_all(decision, all)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write ``state`` in the Trainer's format (``checkpoint_format``): loads on any layout, and in a Trainer."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "fabric.save with CuboidStrategy writes every rank's shards as a whole checkpoint: storage_options "
+                "and filter are not supported (save a submodule's state_dict() under its own key instead)."
+            )
+        assert self._module is not None, "fabric.save before fabric.setup(model)"
+        target = Path(self.broadcast(str(path)))
+        fabric_checkpoint.save(self.checkpointer, target, state, self._module, self.layout.sizes, self.device_mesh)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from a Cuboid checkpoint of any layout (a Fabric loop's or a Trainer's)."""
+        assert self._module is not None, "fabric.load before fabric.setup(model)"
+        if isinstance(state, Optimizer):
+            raise TypeError("fabric.load(path, optimizer): pass {'model': model, 'optimizer': optimizer} instead.")
+        target = Path(self.broadcast(str(path)))
+        return fabric_checkpoint.load(self.checkpointer, target, state or {}, self._module, strict, weights_only)
+
+    @override
+    def teardown(self) -> None:
+        self.checkpointer.wait(raise_error=False)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Cuboid for Fabric: FSDP2 x tensor x context parallel on one mesh"
+        )
+
+
+_HELD = "model"  # the set-up module's name inside the holder its weights are prepared in
+
+
+def _child(name: str) -> str:
+    """A name relative to the set-up module (``""``: the module itself), as seen from its holder."""
+    return f"{_HELD}.{name}" if name else _HELD

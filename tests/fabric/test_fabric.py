@@ -1,0 +1,155 @@
+"""Fabric's door: a training loop written the way litgpt writes one (``workers/fabric_worker.py``: ``fabric.setup``,
+``setup_optimizers``, ``setup_dataloaders``, a cross-entropy of the model's logits, ``fabric.backward``,
+``fabric.clip_gradients``) on transformers Llama and Qwen3, matching the same loop on one process within the one
+parity bound (1e-5) at dp2 (``strategy="cuboid"``), cp2 (built on meta), tp2 and dp2 x tp2; a Fabric checkpoint
+resumes in a Fabric loop of another layout and under the Trainer, and a Trainer's checkpoint resumes in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import third_party
+import torch
+from harness import WORKERS, torchrun
+from parity_lib import ADAMW, GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEED, parity_errors
+
+STEPS = 6
+TABLE: dict[str, tuple[float, float]] = {}
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7}  # the reference clips on some steps and not on others
+RUNS: dict[str, tuple[int, dict]] = {
+    "dp2": (2, {"registered": True}),  # Fabric(strategy="cuboid"): dp_shard fills the world
+    "cp2-meta": (2, {"strategy": {"context_parallel": 2}, "meta_init": True}),
+    "tp2-qwen3": (2, {"strategy": {"tensor_parallel": 2}, "family": "hf_qwen3"}),
+    "dp2xtp2": (4, {"strategy": {"tensor_parallel": 2}}),
+    # transformers' own init on meta gives other norms: its own max norm
+    "dp2xtp2-qwen3-meta": (4, {"strategy": {"tensor_parallel": 2}, "family": "hf_qwen3", "meta_init": True,
+                               "clip": 1.85}),
+}  # fmt: skip
+
+
+def family_of(name: str) -> str:
+    return RUNS[name][1].get("family", "hf_llama")
+
+
+def clip_of(name: str) -> float:
+    return RUNS[name][1].get("clip", CLIP[family_of(name)])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+    out = tmp_path_factory.mktemp("fabric")
+    fabric_ckpt, trainer_dir = out / "fabric-step6", out / "trainer"
+
+    def specs(world: int) -> list[dict]:
+        return [
+            {"name": name, "steps": STEPS, "clip": clip_of(name), **spec}
+            for name, (w, spec) in RUNS.items()
+            if w == world
+        ]
+
+    first = specs(2)
+    first[0].update(save_at=STEPS, save_to=str(fabric_ckpt))  # dp2 saves its state after the last step
+    torchrun(2, WORKERS / "fabric_worker.py", str(out), json.dumps(first))
+    trainer = [
+        # the Trainer resumes the loop's weights and AdamW state; a Fabric checkpoint holds no Trainer loops, so
+        # Lightning's step count (and its sampler's epoch) start again: it trains the epoch's first 6 batches again
+        {"name": "trainer-from-fabric", "model": "hf_llama", "strategy": {}, "clip": CLIP["hf_llama"],
+         "max_steps": STEPS, "resume_from": str(fabric_ckpt)},
+        {"name": "trainer-save", "model": "hf_llama", "strategy": {"tensor_parallel": 2}, "clip": CLIP["hf_llama"],
+         "max_steps": STEPS, "save_every": STEPS, "save_dir": str(trainer_dir)},
+    ]  # fmt: skip
+    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(trainer))
+    resumed = [
+        # the loop's own checkpoint at another layout; the Trainer's (its global_step read back as iter_num)
+        {"name": "dp2xtp2-from-fabric-dp2", "strategy": {"tensor_parallel": 2}, "resume_from": str(fabric_ckpt)},
+        {"name": "dp4-from-trainer-tp2", "strategy": {}, "resume_from": str(trainer_dir / f"step={STEPS}.ckpt")},
+    ]
+    resumed = [{**spec, "steps": 2 * STEPS, "clip": CLIP["hf_llama"]} for spec in resumed]
+    torchrun(4, WORKERS / "fabric_worker.py", str(out), json.dumps(specs(4) + resumed))
+    names = [*RUNS, "trainer-from-fabric", "trainer-save", *(spec["name"] for spec in resumed)]
+    yield {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+    print("\nFabric loop parity (max relative loss error, max absolute parameter error):")
+    for name, (rel, err) in TABLE.items():
+        print(f"  {name:28s} {rel:.1e} {err:.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_fabric_loop_matches_one_process(name: str, results) -> None:
+    spec = RUNS[name][1]
+    family, limit = family_of(name), clip_of(name)
+    ref = third_party.reference_run(family, steps=STEPS, max_norm=limit, meta_init=spec.get("meta_init", False))
+    clipped = [n > limit for n in ref.grad_norms]
+    assert any(clipped) and not all(clipped), ref.grad_norms
+    got = results[name]
+    rel, err = TABLE[name] = parity_errors(got, ref)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, got["layout"], rel, err)
+    # every parameter is sharded (a DTensor) and has AdamW state
+    assert set(got["optimized"]) == {k[len("model.") :] for k in got["params"]} == set(got["placements"])
+    tp = spec.get("strategy", {}).get("tensor_parallel", 1)
+    assert ("tp=2" in got["layout"]) == (tp == 2)
+    if tp == 2:  # the model's own tp plan: attention projections split over tp (and FSDP over dp)
+        q = got["placements"]["model.layers.0.self_attn.q_proj.weight"]
+        assert "Shard(dim=0)" in q[-1] or "S(0)" in q[-1], q
+
+
+@pytest.mark.slow
+def test_a_fabric_checkpoint_resumes_in_a_loop_of_another_layout(results) -> None:
+    """dp2 saved after step 6; a dp2 x tp2 loop loads it (``fabric.load``, ``iter_num`` read back) and trains
+    steps 7-12: equal to 12 uninterrupted steps on one process."""
+    ref = third_party.reference_run("hf_llama", steps=2 * STEPS, max_norm=CLIP["hf_llama"])
+    got = results["dp2xtp2-from-fabric-dp2"]
+    assert got["start"] == STEPS
+    rel, err = TABLE["dp2xtp2-from-fabric-dp2"] = parity_errors(got, ref, slice(STEPS, None))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+
+
+@pytest.mark.slow
+def test_a_trainers_checkpoint_resumes_in_a_fabric_loop(results) -> None:
+    """A Trainer (tp2, the suite's HFModule) saved at step 6; a Fabric loop at dp4 loads it into
+    ``{"model", "optimizer", "iter_num"}`` (the LightningModule's ``model.`` prefix matched to the bare model) and
+    trains steps 7-12: equal to 12 uninterrupted steps."""
+    ref = third_party.reference_run("hf_llama", steps=2 * STEPS, max_norm=CLIP["hf_llama"])
+    assert parity_errors(results["trainer-save"], ref, slice(0, STEPS))[0] <= LOSS_RTOL
+    got = results["dp4-from-trainer-tp2"]
+    assert got["start"] == STEPS
+    rel, err = TABLE["dp4-from-trainer-tp2"] = parity_errors(got, ref, slice(STEPS, None))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+
+
+def _repeated_reference(family: str, max_norm: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: 6 steps on the epoch's first 6 global batches, then the same 6 batches again, AdamW's state
+    carried over (what resuming a Fabric checkpoint under a fresh Trainer loop trains)."""
+    model = third_party.initial_model(family)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    data = third_party.dataset(family)
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
+    losses = []
+    for k in [*range(STEPS), *range(STEPS)]:
+        batch = {"tokens": torch.stack([data[i]["tokens"] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]])}
+        loss = third_party.hf_loss(model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_fabric_checkpoint_resumes_under_the_trainer(results) -> None:
+    """The loop's dp2 checkpoint, resumed by ``trainer.fit(ckpt_path=...)`` with the suite's HFModule (the
+    transformers model as ``self.model``): weights and AdamW state continue exactly (the Trainer's loop starts at
+    step 0 again, see the fixture)."""
+    losses, params = _repeated_reference("hf_llama", CLIP["hf_llama"])
+    got = results["trainer-from-fabric"]
+    assert len(got["losses"]) == STEPS
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], losses[STEPS:], strict=True))
+    err = max((got["params"][k] - v).abs().max().item() for k, v in params.items())
+    TABLE["trainer-from-fabric-dp2"] = (rel, err)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+    # not trivially so: training from the initial weights again would differ
+    assert abs(got["losses"][0] - losses[0]) / losses[0] > 1e-3
