@@ -20,6 +20,8 @@ PUBLIC = [
     "cuboid.CuboidStrategy",
     "cuboid.fabric.CuboidStrategy",
     "cuboid.fabric.FabricPrecision",
+    "cuboid.adapters.write_peft_adapters",
+    "cuboid.adapters.frozen_base_names",
     "cuboid.CuboidPrecision",
     "cuboid.Layout",
     "cuboid.LayoutError",
@@ -57,6 +59,7 @@ PUBLIC = [
 # The wings, lowest floor first; a wing may import only wings on a lower floor (and compat, data).
 FLOORS = {
     "compat": 0,
+    "adapters": 0,  # PEFT's LoRA layers: names and init, read by parallel (the tp split) and checkpoint
     "data": 0,
     "checkpoint": 1,
     "step": 1,
@@ -68,7 +71,7 @@ FLOORS = {
     "planning": 4,
     "fabric": 5,  # Fabric's door, beside strategy.py (the Trainer's): it uses the wings as the Trainer glue does
 }
-WINGS = ("parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning", "fabric")
+WINGS = ("adapters", "parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning", "fabric")
 
 
 def _resolve(dotted: str) -> object:

@@ -22,7 +22,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
 # Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
-        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85}  # fmt: skip
+        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -70,9 +70,23 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
+# A LoRA fine-tune (peft) of the tiny Llama: rank 4 on every attention and MLP projection, no dropout.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+
+
 def build_model(family: str) -> nn.Module:
     import transformers
 
+    if family == "hf_llama_lora":  # what a LoRA user writes: the model, then peft.get_peft_model
+        from peft import get_peft_model
+
+        return get_peft_model(build_model("hf_llama"), lora_config())
     config = hf_config(family)
     if family == "hf_vit":
         return transformers.ViTForImageClassification(config)
@@ -89,6 +103,12 @@ def initial_model(family: str, meta_init: bool = False) -> nn.Module:
         model = build_model(family)
     model.to_empty(device="cpu")
     model.init_weights()
+    if family == "hf_llama_lora":  # then PEFT's own init of the adapters (A as nn.Linear, B zero)
+        from peft.tuners.lora import LoraLayer
+
+        for layer in model.modules():
+            if isinstance(layer, LoraLayer):
+                layer.reset_lora_parameters("default", True)
     return model
 
 
@@ -176,7 +196,8 @@ class HFModule(L.LightningModule):
         self.log("val_loss", self.val_loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), **ADAMW)
+        # what LoRA fine-tunes write (PEFT's examples, litgpt): the trainable parameters only
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], **ADAMW)
 
 
 def reference_run(

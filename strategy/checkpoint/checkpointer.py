@@ -28,6 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from cuboid import compat
+from cuboid.adapters import adapter_configs
 from cuboid.checkpoint.format import (
     CheckpointFormat,
     CheckpointReader,
@@ -148,6 +149,9 @@ class Checkpointer:
         """Write ``module``'s and ``optimizers``' shards and ``state`` (Lightning's checkpoint dict, or a Fabric
         loop's other entries) to ``path`` in the format set, in the background when saves are async."""
         self.wait()
+        adapters = adapter_configs(module)
+        if adapters:  # PEFT adapters: their configs, so that `python -m cuboid.export --peft` needs no model
+            state.setdefault("cuboid", {})["adapters"] = adapters
         fmt = FORMATS[self.format]
         self.make_group()  # made at setup; again here only if async saves or the format were switched on since
         self._pending = fmt.save(

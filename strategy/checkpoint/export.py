@@ -11,11 +11,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cuboid.checkpoint.format import CheckpointError, check_loadable, load_pickled
+from cuboid.adapters import write_peft_adapters
+from cuboid.checkpoint.format import META_FILE, CheckpointError, check_loadable, load_pickled
 
 
 def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -41,6 +43,29 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
     }
     dcp.load(state, checkpoint_id=path, no_dist=True)
     return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's non-tensor entries (Lightning's and Cuboid's: ``meta["cuboid"]``), without its tensors."""
+    path = Path(path)
+    check_loadable(path, allow_file=True)
+    if path.is_file():
+        return {k: v for k, v in load_pickled(path, weights_only=None, mmap=True).items() if k != "state_dict"}
+    return load_pickled(path / META_FILE, weights_only=None)
+
+
+def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out: Path) -> list[Path]:
+    configs = read_meta(path).get("cuboid", {}).get("adapters", {})
+    model = prefix.rstrip(".")
+    if model not in configs:
+        found = ", ".join(repr(k) for k in configs) or "none"
+        raise SystemExit(
+            f"cuboid.export --peft: {path} holds no PEFT adapters under {model!r} (adapters found under: {found}). "
+            "It was not saved from a model wrapped with peft.get_peft_model, or set --prefix to where that model "
+            "sits in the LightningModule."
+        )
+    own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    return write_peft_adapters(own, configs[model], out)
 
 
 if __name__ == "__main__":  # `python -m cuboid.export ...` (the CLI lives in cuboid.checkpoint.export)
@@ -77,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "AutoModelForCausalLM.from_pretrained(OUT) loads",
     )
     parser.add_argument(
+        "--peft",
+        action="store_true",
+        help="the checkpoint holds a PEFT (LoRA) fine-tune: write OUT as PEFT's adapter directory "
+        "(adapter_model.safetensors + adapter_config.json), which PeftModel.from_pretrained(base_model, OUT) loads",
+    )
+    parser.add_argument(
         "--prefix", default="model.", help="where the model sits in the LightningModule (default: model.)"
     )
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -90,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"cuboid.export: {err}") from None
     from safetensors.torch import save_file
 
+    if args.peft:
+        written = _export_peft(Path(args.checkpoint), weights, args.prefix, Path(args.out))
+        print(f"wrote {', '.join(str(p) for p in written)}")
+        return
     if args.hf is not None or args.config is not None:  # a directory: the weights under the model's own names
         config_file = None
         if args.config is not None:

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from cuboid.adapters import frozen_base_names
+
 META_FILE = "meta.pt"  # Lightning's state beside the DCP shards (the name Lightning's own strategies use)
 RNG_DIR = "rng"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -215,8 +217,12 @@ def publish(tmp: Path, path: Path) -> None:
 
 def state_dicts(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
     """What both formats store: ``{"model": ..., "optimizer_<i>": ...}``, by parameter name (flattened optimizer
-    state), values as this rank holds them (DTensor shards)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    state), values as this rank holds them (DTensor shards). A PEFT model's frozen base weights are left out: an
+    adapter's checkpoint holds the adapter (and its optimizer state); the base comes from where it came at the
+    start (``pretrained=``, or the model's own construction), as it does in PEFT's own adapter files."""
+    frozen = frozen_base_names(module)
+    model = get_model_state_dict(module, options=_OPTIONS)
+    state: dict[str, Any] = {"model": {k: v for k, v in model.items() if k not in frozen}}
     for idx, opt in enumerate(optimizers):
         state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, opt, options=_OPTIONS)
     return state
@@ -244,7 +250,8 @@ def load_state(
         raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
     if names is not None:
         state = _rebased(state, names[1], names[0])
-    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    partial = bool(frozen_base_names(module))  # an adapter's checkpoint: the frozen base stays as it is
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict and not partial))
     for idx, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{idx}"], options=_OPTIONS)
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from cuboid.adapters import base_name, is_adapter_name, peft_models
 from cuboid.checkpoint.packed import PackedExperts, per_expert_keys, saved_name
 
 # safetensors dtype names: those Cuboid reads into floating-point parameters (cast to the parameter's dtype), then
@@ -171,6 +172,11 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
     prefix = f"{submodule}."
     candidates: dict[str, dict[str, str]] = {}
     adapter = getattr(module, "pretrained_names", None)
+    peft = source.kind not in ("dcp", "full") and any(not n for n, _ in peft_models(module))
+    if peft:  # a PEFT model: the file is its base model's; the adapters get PEFT's own init
+        tensors = {n: t for n, t in tensors.items() if not is_adapter_name(n)}
+        groups = {first: [n for n in names if n in tensors] for first, names in groups.items() if first in tensors}
+        candidates["base model"] = {name: base_name(name) for name in tensors}
     if source.kind in ("dcp", "full"):  # a Cuboid checkpoint: the LightningModule's own names
         candidates["checkpoint"] = {name: prefix + name for name in tensors}
     else:

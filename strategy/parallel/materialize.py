@@ -11,7 +11,7 @@ Two cases:
   (a twin) of each top-level child, shards the original and gives its *meta* tensors empty storage. Then rank 0
   walks the twin piece by piece (a block, or one module's own tensors such as the embedding), gives that piece
   host storage, runs the model's own init (``init_weights()`` where a module defines it, else
-  ``reset_parameters()``), broadcasts the piece tensor by tensor and frees it; every rank keeps its slice. The
+  ``reset_parameters()``; then PEFT's for LoRA adapters), broadcasts the piece tensor by tensor and frees it; every rank keeps its slice. The
   init runs over the whole twin each time, but draws random numbers only for the piece's real tensors, so the
   values equal one full init of the model. This avoids DTensor random init, which on CPU writes the same numbers
   into every shard.
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from cuboid.adapters import init_adapters
 from cuboid.compat import module_apply
 
 
@@ -253,6 +254,7 @@ def _init_piece(
     module_apply(piece, _blank, recurse)
     _forget_init_flags(twin)
     init_module(twin)
+    init_adapters(twin)  # PEFT's LoRA layers: their own init after the base model's (B zero)
     tensors = [*twin.named_parameters(remove_duplicate=False), *twin.named_buffers(remove_duplicate=False)]
     state = {prefix + n: t for n, t in tensors}
     return {n: state[n] for n in names}

@@ -10,11 +10,13 @@ before any work starts, and turns styles into DTensor ``ParallelStyle`` objects.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from cuboid.adapters import is_lora_layer
 from cuboid.experts import experts_modules
 from cuboid.parallel.styles import PlanError, canonical_style, sharded_size, to_parallel_style
 
@@ -27,6 +29,7 @@ __all__ = [
     "match_plan",
     "parallel_plan",
     "resolve_plan",
+    "split_adapters",
     "to_parallel_style",
 ]
 
@@ -36,14 +39,16 @@ def find_model_plan(root: nn.Module) -> dict[str, str]:
 
     Looks, outermost first, for a ``tp_plan`` attribute (Cuboid's reference models), a Hugging
     Face ``_tp_plan`` attribute, or ``config.base_model_tp_plan``. Hugging Face base-model plans
-    are relative to the base model (``model.model`` inside a ``*ForCausalLM``).
+    are relative to the base model (``model.model`` inside a ``*ForCausalLM``). Only a module's own attributes
+    count: a wrapper that forwards unknown attributes to what it wraps (PEFT's ``PeftModel`` and ``LoraModel``)
+    does not carry the wrapped model's plan under its own names.
     """
     plan: dict[str, str] = {}
     for name, module in root.named_modules():
         prefix = f"{name}." if name else ""
-        own = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
+        own = _own_attr(module, "tp_plan") or _own_attr(module, "_tp_plan")
         if not own:
-            config = getattr(module, "config", None)
+            config = _own_attr(module, "config")
             own = getattr(config, "base_model_tp_plan", None) if config is not None else None
             if own and not _looks_like_base_model(module):
                 own = None
@@ -51,6 +56,13 @@ def find_model_plan(root: nn.Module) -> dict[str, str]:
             for key, style in own.items():
                 plan.setdefault(prefix + key, style)
     return plan
+
+
+def _own_attr(module: nn.Module, name: str) -> object:
+    """``getattr`` without ``__getattr__``: the module's instance attribute or its class's, else ``None``."""
+    if name in vars(module) or any(name in vars(cls) for cls in type(module).__mro__):
+        return getattr(module, name, None)
+    return None
 
 
 def _looks_like_base_model(module: nn.Module) -> bool:
@@ -87,6 +99,7 @@ def match_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[nn.M
     return matched
 
 
+_ADAPTER_PART = re.compile(r"\.(base_layer|lora_[AB]\.[^.]+)$")
 _HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads")
 
 
@@ -101,7 +114,8 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
             problems.append(
                 f"{name} ({type(module).__name__}, {style}): {split[1]} {split[0]} is not divisible by tp={tp}"
             )
-    parents = {n.rsplit(".", 1)[0] for n in matched if "." in n}
+    owners = {_ADAPTER_PART.sub("", n) for n in matched}  # a LoRA layer's parts: the layer's own parent
+    parents = {n.rsplit(".", 1)[0] for n in owners if "." in n}
     modules = dict(root.named_modules())
     for parent in sorted(parents):
         owner = modules.get(parent)
@@ -159,7 +173,7 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
         return {}
     if plan is None:
         plan = usable_model_plan(root, find_model_plan(root))
-    matched = match_plan(root, plan)
+    matched = split_adapters(match_plan(root, plan))
     check_tp_divisibility(root, matched, tp)
     if not matched:
         raise PlanError(
@@ -167,6 +181,50 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
             "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
         )
     return matched
+
+
+# A LoRA layer's styles by which of its adapter's two matrices shares the base layer's split: the one whose output
+# features (lora_B) are the base's output features, or whose input features (lora_A) are the base's input features.
+_SPLIT_OUTPUT = ("colwise", "output", "loss_parallel")
+_SPLIT_INPUT = ("rowwise", "rowwise_split_input", "rowwise_sequence")
+
+
+def split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, tuple[nn.Module, str]]:
+    """A plan entry on a PEFT LoRA layer (``q_proj`` after ``get_peft_model``), as the layer's parts:
+
+    * output features split (``colwise``, ``output``, ``loss_parallel``): the base layer and ``lora_B`` split the
+      same way, ``lora_A`` (rank x input features) whole on every tp rank; ``B(A x)`` arrives split like the
+      base's output and is added to it locally;
+    * input features split (``rowwise`` and its kinds): the base layer and ``lora_A`` split over input features,
+      each output summed over tp, ``lora_B`` whole on every tp rank.
+
+    This is PEFT's own rule for transformers' tensor parallel. Other styles on a LoRA layer, LoRA on embeddings and
+    DoRA (its magnitude needs the whole base weight's norms) are refused by name.
+    """
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for name, (module, style) in matched.items():
+        if not is_lora_layer(module):
+            out[name] = (module, style)
+            continue
+        base = module.base_layer
+        adapters = list(module.lora_A.keys())
+        problem = None
+        if style not in _SPLIT_OUTPUT + _SPLIT_INPUT:
+            problem = f"style {style!r} has no LoRA counterpart (Cuboid splits LoRA layers colwise or rowwise)"
+        elif not isinstance(base, nn.Linear) or is_lora_layer(base) or not adapters:
+            problem = f"its base layer is a {type(base).__name__}, not an nn.Linear (LoRA on embeddings, nested LoRA)"
+        elif any(module.use_dora.get(a) for a in adapters):
+            problem = "it uses DoRA, whose magnitude needs the norms of the whole (unsplit) base weight"
+        if problem is not None:
+            raise PlanError(
+                f"tensor_parallel cannot split the LoRA layer {name!r}: {problem}. Leave it out of LoraConfig's "
+                "target_modules, or out of the tensor-parallel plan (pass tensor_parallel_plan= without it)."
+            )
+        out[f"{name}.base_layer"] = (base, style)
+        part = "lora_B" if style in _SPLIT_OUTPUT else "lora_A"
+        for adapter in adapters:
+            out[f"{name}.{part}.{adapter}"] = (getattr(module, part)[adapter], style)
+    return out
 
 
 def parallel_plan(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, ParallelStyle]:

@@ -1,7 +1,8 @@
 """Fabric's door: a training loop written the way litgpt writes one (``workers/fabric_worker.py``: ``fabric.setup``,
 ``setup_optimizers``, ``setup_dataloaders``, a cross-entropy of the model's logits, ``fabric.backward``,
 ``fabric.clip_gradients``) on transformers Llama and Qwen3, matching the same loop on one process within the one
-parity bound (1e-5) at dp2 (``strategy="cuboid"``), cp2 (built on meta), tp2 and dp2 x tp2; a Fabric checkpoint
+parity bound (1e-5) at dp2 (``strategy="cuboid"``), cp2 (built on meta), tp2 and dp2 x tp2 (a LoRA fine-tune too, PEFT's
+``get_peft_model`` on the Llama); a Fabric checkpoint
 resumes in a Fabric loop of another layout and under the Trainer, and a Trainer's checkpoint resumes in the loop.
 """
 
@@ -18,7 +19,7 @@ from parity_lib import ADAMW, GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEED, parity_
 
 STEPS = 6
 TABLE: dict[str, tuple[float, float]] = {}
-CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7}  # the reference clips on some steps and not on others
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_llama_lora": 0.4}  # the reference clips on some steps, not all
 RUNS: dict[str, tuple[int, dict]] = {
     "dp2": (2, {"registered": True}),  # Fabric(strategy="cuboid"): dp_shard fills the world
     "cp2-meta": (2, {"strategy": {"context_parallel": 2}, "meta_init": True}),
@@ -27,6 +28,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     # transformers' own init on meta gives other norms: its own max norm
     "dp2xtp2-qwen3-meta": (4, {"strategy": {"tensor_parallel": 2}, "family": "hf_qwen3", "meta_init": True,
                                "clip": 1.85}),
+    # a LoRA fine-tune (peft.get_peft_model): the adapter split beside its base layer, the base frozen
+    "dp2xtp2-lora": (4, {"strategy": {"tensor_parallel": 2}, "family": "hf_llama_lora"}),
 }  # fmt: skip
 
 
@@ -87,11 +90,19 @@ def test_a_fabric_loop_matches_one_process(name: str, results) -> None:
     got = results[name]
     rel, err = TABLE[name] = parity_errors(got, ref)
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, got["layout"], rel, err)
-    # every parameter is sharded (a DTensor) and has AdamW state
-    assert set(got["optimized"]) == {k[len("model.") :] for k in got["params"]} == set(got["placements"])
+    # every parameter is sharded (a DTensor); every trainable one has AdamW state
+    assert {k[len("model.") :] for k in got["params"]} == set(got["placements"])
+    assert set(got["optimized"]) == set(got["trainable"])
+    if family == "hf_llama_lora":  # the adapter trains, the frozen base stays bit-identical
+        initial = third_party.initial_model(family)
+        assert set(got["trainable"]) == {n for n, p in initial.named_parameters() if p.requires_grad}
+        frozen = {n: p for n, p in initial.named_parameters() if not p.requires_grad}
+        assert frozen and all(torch.equal(got["params"][f"model.{n}"], p) for n, p in frozen.items())
+    else:
+        assert set(got["trainable"]) == set(got["placements"])
     tp = spec.get("strategy", {}).get("tensor_parallel", 1)
     assert ("tp=2" in got["layout"]) == (tp == 2)
-    if tp == 2:  # the model's own tp plan: attention projections split over tp (and FSDP over dp)
+    if tp == 2 and family != "hf_llama_lora":  # the model's own tp plan: attention projections split over tp
         q = got["placements"]["model.layers.0.self_attn.q_proj.weight"]
         assert "Shard(dim=0)" in q[-1] or "S(0)" in q[-1], q
 

@@ -89,7 +89,8 @@ def run(spec: dict, out_dir: Path) -> None:
     if fabric.global_rank == 0:
         torch.save(
             {"losses": losses, "params": full, "seen": seen, "optimized": optimized, "placements": placements,
-             "layout": fabric.strategy.layout.describe(), "start": start},
+             "layout": fabric.strategy.layout.describe(), "start": start,
+             "trainable": sorted(n for n, p in model.module.named_parameters() if p.requires_grad)},
             out_dir / f"{spec['name']}.pt",
         )  # fmt: skip
     fabric.barrier()
