@@ -31,6 +31,13 @@ _HF_OTHER_NAMES = {
 }
 
 
+def has_hf_name(name: str) -> bool:
+    """Whether one of our parameter names (relative to :class:`Llama`) has a Hugging Face ``LlamaForCausalLM`` name
+    (an MoE block's experts and router have none)."""
+    parts = name.split(".", 2)
+    return name in _HF_OTHER_NAMES or (len(parts) == 3 and parts[0] == "layers" and parts[2] in _HF_BLOCK_NAMES)
+
+
 def hf_name(name: str) -> str:
     """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names (relative to :class:`Llama`)."""
     if name in _HF_OTHER_NAMES:
@@ -92,3 +99,22 @@ def to_hf_llama(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict[
     the matching ``config.json`` contents. A tied output head is left out, as Hugging Face saves it."""
     skip = {"output.weight"} if cfg.tie_embeddings else set()
     return {hf_name(name): tensor for name, tensor in state.items() if name not in skip}, hf_config(cfg)
+
+
+def to_hf_llama_adapter(tensors: dict, config: dict) -> tuple[dict, dict]:
+    """A LoRA adapter trained on :class:`Llama` (PEFT's names: ``base_model.model.layers.0.attention.wq.lora_A
+    .weight``) as the same adapter on a Hugging Face ``LlamaForCausalLM`` (``...model.layers.0.self_attn.q_proj
+    .lora_A.weight``), with its ``adapter_config.json`` fields' ``target_modules`` renamed alike. The weights are
+    laid out alike, so only names change."""
+    modules = {ours.rsplit(".", 1)[0].split(".")[-1]: theirs.rsplit(".", 1)[0].split(".")[-1]
+               for ours, theirs in _HF_BLOCK_NAMES.items() if not ours.endswith("norm.weight")}  # fmt: skip
+    out = {}
+    for name, tensor in tensors.items():
+        module, part = name.removeprefix("base_model.model.").split(".lora_", 1)
+        out[f"base_model.model.{hf_name(module + '.weight').removesuffix('.weight')}.lora_{part}"] = tensor
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        targets = sorted(modules.get(t, t) for t in targets)
+    elif isinstance(targets, str):
+        targets = modules.get(targets, targets)
+    return out, {**config, "target_modules": targets}

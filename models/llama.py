@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuboid.models.hf_llama import check_hf_config, hf_config, hf_name, to_hf_llama
+from cuboid.models.hf_llama import check_hf_config, has_hf_name, hf_config, hf_name, to_hf_llama
 from cuboid.models.moe import MoE
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig", "check_hf_config", "hf_config", "hf_name", "to_hf_llama"]
@@ -307,7 +307,13 @@ class Llama(nn.Module):
     def pretrained_names(self) -> dict[str, str]:
         """State-dict adapter for ``CuboidStrategy(pretrained=...)``: each of our parameter names -> its name in a
         Hugging Face Llama weights file (a tied output head maps to the embedding, as the file holds one)."""
-        names = {name: hf_name(name) for name, _ in self.named_parameters(remove_duplicate=False)}
+        names = {}
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            # a projection wrapped by an adapter library keeps its own weight under ``base_layer`` (PEFT's LoRA);
+            # the adapter's tensors are in no Hugging Face file
+            own = name.replace(".base_layer.", ".")
+            if has_hf_name(own):
+                names[name] = hf_name(own)
         if self.cfg.tie_embeddings:
             names["output.weight"] = names["tok_embeddings.weight"]
         return names

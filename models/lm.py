@@ -30,6 +30,9 @@ class CausalLM(L.LightningModule):
         lr, weight_decay, betas, eps: AdamW settings (defaults: Llama's).
         warmup_steps, max_steps: Linear warm-up, then cosine decay to 10% of ``lr`` at ``max_steps``.
         init_seed: Seed for the initial weights, so every layout starts from the same model.
+        lora: Fine-tune a LoRA adapter instead of every weight: ``peft.LoraConfig`` fields (``r``, ``lora_alpha``,
+            ``target_modules`` among ``wq wk wv wo w1 w2 w3``, ...); the model is wrapped with
+            ``peft.get_peft_model`` (needs ``cuboid[peft]``), its base frozen, the optimizer given the adapter only.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class CausalLM(L.LightningModule):
         warmup_steps: int = 20,
         max_steps: int = 1000,
         init_seed: int = 1234,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(model, str):
@@ -55,10 +59,14 @@ class CausalLM(L.LightningModule):
             cfg = LlamaConfig(**dict(model))
         self.cfg = cfg
         betas = tuple(float(b) for b in betas)  # plain floats: a Hydra ListConfig would need unsafe unpickling
+        if lora is not None:  # plain values too (a Hydra DictConfig / ListConfig)
+            lora = {str(k): (v if isinstance(v, (str, int, float, bool)) or v is None else list(v))
+                    for k, v in dict(lora).items()}  # fmt: skip
         self.save_hyperparameters(ignore=["model"])
         self.meta_init = meta_init
         self.opt = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
         self.warmup_steps, self.max_steps, self.init_seed = warmup_steps, max_steps, init_seed
+        self.lora = lora
         self.model: Llama | None = None
         self.val_loss = MeanMetric()
 
@@ -68,9 +76,18 @@ class CausalLM(L.LightningModule):
         torch.manual_seed(self.init_seed)
         if self.meta_init:
             with torch.device("meta"):
-                self.model = Llama(self.cfg)
+                self.model = self._with_adapter(Llama(self.cfg))
         else:
-            self.model = Llama(self.cfg)
+            self.model = self._with_adapter(Llama(self.cfg))
+
+    def _with_adapter(self, model: Llama) -> Any:
+        if self.lora is None:
+            return model
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as err:
+            raise ImportError("task.lora needs peft: pip install 'cuboid[peft]'") from err
+        return get_peft_model(model, LoraConfig(**self.lora))
 
     def setup(self, stage: str) -> None:
         group = getattr(self.trainer.strategy, "dp_group", None)
@@ -121,7 +138,7 @@ class CausalLM(L.LightningModule):
         self.val_loss.reset()
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), **self.opt)
+        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], **self.opt)
 
         def schedule(step: int) -> float:
             if step < self.warmup_steps:

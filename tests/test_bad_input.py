@@ -426,6 +426,25 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
 }
 
 
+def _lora_under_tp(**lora: object) -> None:
+    """A LoRA fine-tune of a tiny transformers Llama, its plan resolved at tp2 (no process group needed)."""
+    from peft import LoraConfig, get_peft_model
+
+    holder = nn.Module()
+    holder.model = get_peft_model(_tiny_hf(), LoraConfig(r=2, **lora))
+    resolve_plan(holder, None, 2)
+
+
+def _lora_init_that_reads_the_base_on_meta() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from cuboid.adapters import init_adapters
+
+    model = get_peft_model(_tiny_hf(), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.peft_config["default"].init_lora_weights = "pissa"  # as built with it: PiSSA reads the base's SVD
+    init_adapters(model)
+
+
 def _moe_blocks(family: str, **config: object) -> list[tuple[str, nn.Module]]:
     """The decoder layers of a tiny transformers model built on meta, as Cuboid's block search returns them."""
     import transformers
@@ -491,6 +510,21 @@ CASES.update(
             lambda: check_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), nn.Linear(2, 2)),
             RuntimeError,
             r"holds 2 parameter\(s\) that are not the set-up model's: .* Create it after setup, or pass it",
+        ),
+        "LoRA on an embedding under tensor parallel": (
+            lambda: _lora_under_tp(target_modules=["q_proj", "embed_tokens"]),
+            PlanError,
+            r"cannot split the LoRA layer 'model.base_model.model.model.embed_tokens': .* Leave it out of LoraConfig",
+        ),
+        "DoRA under tensor parallel": (
+            lambda: _lora_under_tp(target_modules=["q_proj"], use_dora=True),
+            PlanError,
+            r"q_proj': it uses DoRA, whose magnitude needs the norms of the whole",
+        ),
+        "a LoRA init that reads the base weights, on meta": (
+            _lora_init_that_reads_the_base_on_meta,
+            ValueError,
+            r"init_lora_weights='pissa', which reads the base weights .* Build the model for real",
         ),
         "a Fabric checkpoint of two models": (
             lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),

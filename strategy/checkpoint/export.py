@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cuboid.adapters import write_peft_adapters
+from cuboid.adapters import peft_state_dict, write_peft_adapters
 from cuboid.checkpoint.format import META_FILE, CheckpointError, check_loadable, load_pickled
 
 
@@ -54,7 +54,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return load_pickled(path / META_FILE, weights_only=None)
 
 
-def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out: Path) -> list[Path]:
+def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out: Path, hf: bool) -> list[Path]:
     configs = read_meta(path).get("cuboid", {}).get("adapters", {})
     model = prefix.rstrip(".")
     if model not in configs:
@@ -65,7 +65,18 @@ def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out:
             "sits in the LightningModule."
         )
     own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-    return write_peft_adapters(own, configs[model], out)
+    if not hf:
+        return write_peft_adapters(own, configs[model], out)
+    # an adapter of the reference Llama, for the Hugging Face LlamaForCausalLM its base was loaded from
+    from cuboid.models.hf_llama import to_hf_llama_adapter
+
+    written: list[Path] = []
+    for adapter, config in configs[model].items():
+        tensors, config = to_hf_llama_adapter(peft_state_dict(own, adapter), config)
+        named = {name.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}."): t
+                 for name, t in tensors.items()}  # fmt: skip
+        written += write_peft_adapters(named, {adapter: config}, out)
+    return written
 
 
 if __name__ == "__main__":  # `python -m cuboid.export ...` (the CLI lives in cuboid.checkpoint.export)
@@ -105,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--peft",
         action="store_true",
         help="the checkpoint holds a PEFT (LoRA) fine-tune: write OUT as PEFT's adapter directory "
-        "(adapter_model.safetensors + adapter_config.json), which PeftModel.from_pretrained(base_model, OUT) loads",
+        "(adapter_model.safetensors + adapter_config.json), which PeftModel.from_pretrained(base_model, OUT) loads; "
+        "with --hf SIZE, the reference Llama's adapter renamed for the Hugging Face LlamaForCausalLM",
     )
     parser.add_argument(
         "--prefix", default="model.", help="where the model sits in the LightningModule (default: model.)"
@@ -122,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from safetensors.torch import save_file
 
     if args.peft:
-        written = _export_peft(Path(args.checkpoint), weights, args.prefix, Path(args.out))
+        written = _export_peft(Path(args.checkpoint), weights, args.prefix, Path(args.out), args.hf is not None)
         print(f"wrote {', '.join(str(p) for p in written)}")
         return
     if args.hf is not None or args.config is not None:  # a directory: the weights under the model's own names

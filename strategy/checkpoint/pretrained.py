@@ -176,7 +176,10 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
     if peft:  # a PEFT model: the file is its base model's; the adapters get PEFT's own init
         tensors = {n: t for n, t in tensors.items() if not is_adapter_name(n)}
         groups = {first: [n for n in names if n in tensors] for first, names in groups.items() if first in tensors}
-        candidates["base model"] = {name: base_name(name) for name in tensors}
+        # the wrapped model's own adapter (Cuboid's Llama: Hugging Face names), which sees PEFT's LoRA layers too
+        own = dict(adapter()) if callable(adapter) else {}
+        inner = {name: name.removeprefix("base_model.model.") for name in tensors}
+        candidates["base model"] = {name: own.get(inner[name], base_name(name)) for name in tensors}
     if source.kind in ("dcp", "full"):  # a Cuboid checkpoint: the LightningModule's own names
         candidates["checkpoint"] = {name: prefix + name for name in tensors}
     else:

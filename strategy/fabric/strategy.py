@@ -237,8 +237,9 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             cpu_offload=self.cpu_offload,
             experts=self._experts,
         )
-        build.parallelize_plain(module, blocks, matched, settings)
+        # the model is one FSDP root with its blocks (as a LightningModule's child is), not each of its children
         held_blocks = [(_child(name), block) for name, block in blocks]
+        build.parallelize_plain(holder, held_blocks, {_child(k): v for k, v in matched.items()}, settings)
         build.finish_weights(holder, weights, held_blocks, self.root_device, mesh["dp"], self.cpu_offload)
         if self.context.enabled:
             self.context.setup(module, [name for name, _ in blocks], mesh["cp"].get_group(), root=module)

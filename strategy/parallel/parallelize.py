@@ -56,7 +56,13 @@ def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelSt
     """Shard the modules named in ``plan`` over the ``tp`` mesh (DTensor ``parallelize_module``)."""
     if tp_mesh.size() == 1 or not plan:
         return
+    frozen = {name for name, param in root.named_parameters() if not param.requires_grad}
     parallelize_module(root, tp_mesh, dict(plan))
+    # torch's SequenceParallel re-registers a module's parameters as new ones that require gradients (torch 2.13):
+    # a frozen norm (a LoRA fine-tune's base) would train under tp. Frozen stays frozen.
+    for name, param in root.named_parameters():
+        if name in frozen and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _sac_context():

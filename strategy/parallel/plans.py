@@ -193,10 +193,12 @@ def split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, tu
     """A plan entry on a PEFT LoRA layer (``q_proj`` after ``get_peft_model``), as the layer's parts:
 
     * output features split (``colwise``, ``output``, ``loss_parallel``): the base layer and ``lora_B`` split the
-      same way, ``lora_A`` (rank x input features) whole on every tp rank; ``B(A x)`` arrives split like the
-      base's output and is added to it locally;
+      same way, ``lora_A`` (rank x input features) whole on every tp rank, given the input as a local tensor
+      (``local_input``: a DTensor input, gathered inside Cuboid's Llama, made whole first); ``B(A x)`` arrives
+      split like the base's output and is added to it;
     * input features split (``rowwise`` and its kinds): the base layer and ``lora_A`` split over input features,
-      each output summed over tp, ``lora_B`` whole on every tp rank.
+      each output summed over tp, ``lora_B`` whole on every tp rank (under ``rowwise_sequence`` its input, and
+      the output, split along the sequence, its gradient summed over tp: ``sequence_local``).
 
     This is PEFT's own rule for transformers' tensor parallel. Other styles on a LoRA layer, LoRA on embeddings and
     DoRA (its magnitude needs the whole base weight's norms) are refused by name.
@@ -224,6 +226,10 @@ def split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, tu
         part = "lora_B" if style in _SPLIT_OUTPUT else "lora_A"
         for adapter in adapters:
             out[f"{name}.{part}.{adapter}"] = (getattr(module, part)[adapter], style)
+            if style in _SPLIT_OUTPUT:  # A sees the base layer's input: a local tensor, even where it is a DTensor
+                out[f"{name}.lora_A.{adapter}"] = (module.lora_A[adapter], "local_input")
+            elif style == "rowwise_sequence":  # B sees A's output split along the sequence: its gradient summed
+                out[f"{name}.lora_B.{adapter}"] = (module.lora_B[adapter], "sequence_local")
     return out
 
 

@@ -32,6 +32,11 @@ replicated_with_grad_allreduce weights replicated, gradients summed over tp: a n
 all_reduce                     the module's output is a partial sum: all-reduce it
 local_params                   run the module with its own tp-sharded parameters as local tensors
 replicate                      leave the module replicated (nothing to do)
+sequence_local                 a module whole on every tp rank run on a sequence-sharded local input (its
+                               output local too), gradients summed over tp: a LoRA layer's ``lora_B`` beside a
+                               ``rowwise_sequence`` base layer
+local_input                    hand the module its first input as a local tensor, a DTensor made whole
+                               (replicated) first: a LoRA layer's ``lora_A`` beside a colwise base layer
 =============================  ==========================================================================
 
 Mixture-of-experts and fused-expert styles (``moe_tp_experts``, ``moe_identity_expert``,
@@ -75,6 +80,8 @@ STYLES: dict[str, str] = {
     "all_reduce": "all-reduce the module's partial output",
     "local_params": "run the module with its own tp-sharded parameters as local tensors",
     "replicate": "leave the module replicated on every tp rank (nothing to do)",
+    "sequence_local": "a module whole on every tp rank on a sequence-sharded local input, gradients summed over tp",
+    "local_input": "run the module on its first input as a local tensor, a DTensor input made whole first",
 }
 ALIASES: dict[str, str] = {
     "colwise_rep": "output",
@@ -145,6 +152,10 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
         return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
     if name == "local_params":
         return LocalParams(replicate_plain=False, grad_placements=None)
+    if name == "local_input":
+        return LocalInput()
+    if name == "sequence_local":
+        return SequenceParallel(use_local_output=True)
     return None  # "replicate"
 
 
@@ -290,3 +301,21 @@ class ReplicatedSequence(GatherSequence):
 
         module.register_forward_hook(split)
         return super()._apply(module, device_mesh)
+
+
+class LocalInput(ParallelStyle):
+    """A module whose own parameters are whole on every tp rank, run on its first input as a local tensor: an input
+    arriving as a DTensor (inside a module whose input was gathered, Cuboid's Llama attention; or sequence-sharded,
+    before the output head) is made ``Replicate`` first. Its gradient is read as replicated: what comes back to it
+    is the same on every tp rank (the module's output goes on as a replicated input of a tp-split layer, whose
+    input gradient is summed over tp). A LoRA layer's ``lora_A`` beside a column-split base layer."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def local(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            first, *rest = args
+            if not isinstance(first, DTensor):
+                return None
+            return (first.redistribute(device_mesh, [Replicate()]).to_local(), *rest), kwargs
+
+        module.register_forward_pre_hook(local, with_kwargs=True)
+        return module

@@ -125,6 +125,59 @@ def test_finetune_preset_starts_from_the_pretrained_weights(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_finetune_lora_preset_trains_an_adapter_that_peft_loads_on_the_hf_model(tmp_path: Path) -> None:
+    """``--config-name finetune_lora``: the reference Llama read from a Hugging Face directory, wrapped with
+    ``peft.get_peft_model`` (every projection), trained 6 steps at dp2 x tp2 (sequence parallel, loss parallel)
+    with the losses of dp2; its checkpoint holds the adapter only; ``export --peft --hf debug`` writes an adapter
+    that ``PeftModel.from_pretrained`` puts on transformers' ``LlamaForCausalLM`` with the trained model's logits."""
+    pytest.importorskip("peft")
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from cuboid.checkpoint.export import read_model_weights
+    from cuboid.models.llama import Llama, to_hf_llama
+
+    fields = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "debug.yaml"))
+    fields.pop("_target_")
+    cfg = LlamaConfig(**fields)
+    torch.manual_seed(77)
+    weights = Llama(cfg).state_dict()
+    state, config = to_hf_llama(weights, cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    job = ["--config-name=finetune_lora", "model=debug", "data=stdlib", f"strategy.pretrained.model={tmp_path / 'hf'}",
+           "logger=csv", "trainer.log_every_n_steps=1", "trainer.max_steps=6", "trainer.val_check_interval=6"]  # fmt: skip
+    train(tmp_path, *job, "strategy=fsdp_tp", "trainer.devices=4")
+    train(tmp_path, *job, "strategy=fsdp", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'dp2'}")
+    tp, dp = summary(tmp_path / "run")["losses"], summary(tmp_path / "dp2")["losses"]
+    assert len(tp) == 6 and max(abs(a - b) / b for a, b in zip(tp, dp, strict=True)) <= 1e-5, (tp, dp)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    stored = [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert stored and all(".lora_" in k for k in stored), [k for k in stored if ".lora_" not in k][:3]
+    out = tmp_path / "adapter"
+    run_checked([sys.executable, "-m", "cuboid.export", str(ckpt), str(out), "--peft", "--hf", "debug"], timeout=120)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), out).eval()
+    # the trained model in one process: the base's weights, get_peft_model as the job did, the adapter read back
+    lora = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "finetune_lora.yaml"))["task"]["lora"]
+    base = Llama(cfg)
+    base.load_state_dict(weights)
+    ours = get_peft_model(base, LoraConfig(**lora))
+    adapter = {k.removeprefix("model."): v for k, v in read_model_weights(ckpt).items()}
+    assert not ours.load_state_dict(adapter, strict=False).unexpected_keys
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = hf(input_ids=tokens).logits, ours(tokens)
+        with hf.disable_adapter():
+            plain = hf(input_ids=tokens).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    assert (plain - want).abs().max() > 1e-4  # the adapter changes them: not trivially equal
+
+
+@pytest.mark.slow
 def test_sweep_over_world_size_gives_each_job_its_own_processes(tmp_path: Path) -> None:
     """``-m trainer.devices=1,2``: two jobs, world size 1 then 2; validation perplexity is the same."""
     sweep = tmp_path / "sweep"
