@@ -102,7 +102,8 @@ def init_adapters(root: nn.Module) -> None:
     targets = [(model, dict(model.peft_config)) for _, model in peft_models(root)] or [(root, {})]
     for model, configs in targets:  # LoRA layers outside a PeftModel (inject_adapter_in_model): PEFT's default
         for _, layer in lora_layers(model):
-            for adapter in layer.lora_A.keys() | layer.lora_embedding_A.keys():
+            embeddings = [a for a in layer.lora_embedding_A.keys() if a not in layer.lora_A]
+            for adapter in [*layer.lora_A.keys(), *embeddings]:  # a fixed order: the RNG draws follow it
                 init = getattr(configs.get(adapter), "init_lora_weights", True)
                 if init not in PLAIN_INITS:
                     raise ValueError(
