@@ -37,8 +37,6 @@ from cuboid.parallel.mesh import (
     FLATTENED,
     MESH_NAMES,
     Layout,
-    build_device_mesh,
-    build_ep_meshes,
     check_reshard_after_forward,
 )
 from cuboid.parallel.mesh_strategy import MeshStrategy
@@ -213,10 +211,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.faults.before_process_group(getattr(trainer, "default_root_dir", None) or os.getcwd(), backend)
         job_launch.start_process_group(self.cluster_environment, backend, self.root_device, self._timeout)
         self.faults.after_process_group(self.global_rank, self.world_size)
-        self.layout = layout
-        self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
-        if layout.ep > 1:
-            self._experts = ExpertsLayout(*build_ep_meshes(self._device_mesh, layout.ep), layout.dp * layout.cp)
+        self.build_mesh(layout)
         self.faults.after_mesh(self._device_mesh, MESH_NAMES, self.global_rank)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite

@@ -39,7 +39,7 @@ from cuboid.fabric.optimizers import NoGradientSync, check_optimizer, optimizers
 from cuboid.fabric.precision import FabricPrecision
 from cuboid.job import launch as job_launch
 from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import FLATTENED, Layout, build_device_mesh, build_ep_meshes, check_reshard_after_forward
+from cuboid.parallel.mesh import FLATTENED, Layout, check_reshard_after_forward
 from cuboid.parallel.mesh_strategy import MeshCollectives
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
 from cuboid.parallel.styles import canonical_style
@@ -184,10 +184,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         job_launch.start_process_group(self.cluster_environment, backend, self.root_device, self._timeout)
-        self.layout = layout
-        self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.root_device.type)
-        if layout.ep > 1:
-            self._experts = ExpertsLayout(*build_ep_meshes(self._device_mesh, layout.ep), layout.dp * layout.cp)
+        self.build_mesh(layout)
         precision = FabricPrecision(self.precision.precision, self._device_mesh, FLATTENED)
         precision.step_context, precision.whole_output = self._step, self.context.gather_output
         self._precision = precision

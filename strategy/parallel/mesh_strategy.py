@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from cuboid import compat
-from cuboid.parallel.mesh import dim_groups
+from cuboid.parallel.mesh import Layout, build_device_mesh, build_ep_meshes, dim_groups
+from cuboid.parallel.parallelize import ExpertsLayout
 from cuboid.step.precision import CuboidPrecision
 
 if TYPE_CHECKING:
@@ -68,6 +69,14 @@ class MeshCollectives:
         if self._dp_mesh is None:
             raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
         return self._dp_mesh
+
+    def build_mesh(self, layout: Layout) -> None:
+        """Once the process group exists: the layout's device mesh, its ``dp`` sub-mesh, and under expert parallel
+        the meshes each MoE layer's experts are split and sharded over."""
+        self.layout = layout
+        self._device_mesh, self._dp_mesh = build_device_mesh(layout, self.mesh_root_device().type)
+        if layout.ep > 1:
+            self._experts = ExpertsLayout(*build_ep_meshes(self._device_mesh, layout.ep), layout.dp * layout.cp)
 
     def mesh_root_device(self) -> torch.device:
         assert self.parallel_devices is not None

@@ -99,10 +99,9 @@ def _single_process_val_ppl(tmp: Path, weights: dict[str, torch.Tensor] | None =
     return math.exp(total / count)
 
 
-@pytest.mark.slow
-def test_finetune_preset_starts_from_the_pretrained_weights(tmp_path: Path) -> None:
-    """``--config-name finetune`` with ``strategy.pretrained.model=DIR`` (a Hugging Face Llama directory, as
-    ``export --hf`` writes) validates exactly like those weights in one process, under dp2 x tp2."""
+def _pretrained_debug_llama(out: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The debug Llama with weights of another seed (77), written to ``out`` as a Hugging Face Llama directory (as
+    ``export --hf`` writes it): the "pretrained" model the fine-tuning presets start from."""
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
@@ -114,9 +113,17 @@ def test_finetune_preset_starts_from_the_pretrained_weights(tmp_path: Path) -> N
     torch.manual_seed(77)
     weights = Llama(cfg).state_dict()
     state, config = to_hf_llama(weights, cfg)
-    (tmp_path / "hf").mkdir()
-    save_file(state, tmp_path / "hf" / "model.safetensors")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    out.mkdir()
+    save_file(state, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config))
+    return cfg, weights
+
+
+@pytest.mark.slow
+def test_finetune_preset_starts_from_the_pretrained_weights(tmp_path: Path) -> None:
+    """``--config-name finetune`` with ``strategy.pretrained.model=DIR`` (a Hugging Face Llama directory, as
+    ``export --hf`` writes) validates exactly like those weights in one process, under dp2 x tp2."""
+    weights = _pretrained_debug_llama(tmp_path / "hf")[1]
     train(tmp_path, "--config-name=finetune", "model=debug", "data=stdlib", f"strategy.pretrained.model={tmp_path / 'hf'}",
           "mode=validate", "logger=none", "checkpoint=false", "strategy=fsdp_tp", "trainer.devices=4",
           "trainer.limit_val_batches=1.0")  # fmt: skip
@@ -134,21 +141,12 @@ def test_finetune_lora_preset_trains_an_adapter_that_peft_loads_on_the_hf_model(
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
     from peft import LoraConfig, PeftModel, get_peft_model
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from cuboid.checkpoint.export import read_model_weights
-    from cuboid.models.llama import Llama, to_hf_llama
+    from cuboid.models.llama import Llama
 
-    fields = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "debug.yaml"))
-    fields.pop("_target_")
-    cfg = LlamaConfig(**fields)
-    torch.manual_seed(77)
-    weights = Llama(cfg).state_dict()
-    state, config = to_hf_llama(weights, cfg)
-    (tmp_path / "hf").mkdir()
-    save_file(state, tmp_path / "hf" / "model.safetensors")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    cfg, weights = _pretrained_debug_llama(tmp_path / "hf")
     job = ["--config-name=finetune_lora", "model=debug", "data=stdlib", f"strategy.pretrained.model={tmp_path / 'hf'}",
            "logger=csv", "trainer.log_every_n_steps=1", "trainer.max_steps=6", "trainer.val_check_interval=6"]  # fmt: skip
     train(tmp_path, *job, "strategy=fsdp_tp", "trainer.devices=4")
