@@ -132,9 +132,11 @@ class CausalLM(L.LightningModule):
         self.val_loss.update(self.loss(batch, aux=False), weight=batch.shape[0])
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        loss = self.val_loss.compute()  # already the data-parallel mean (the metric's process group)
+        # sync_dist: the same value on every rank, so the mean changes nothing; it tells Lightning the epoch-level
+        # value is the whole group's (once per validation, not a per-step cost).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
         self.val_loss.reset()
 
     def configure_optimizers(self) -> Any:

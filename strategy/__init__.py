@@ -8,6 +8,8 @@ The package's face: the names users import. Behind it, the wings (``cuboid.paral
 ``docs/architecture.md`` draws the house.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -46,4 +48,7 @@ __all__ = [
     "latest_checkpoint",
     "read_model_weights",
 ]
-__version__ = "0.1.0"
+try:
+    __version__ = version("cuboid")  # the installed distribution's, wheel or editable
+except PackageNotFoundError:  # the source tree imported without an install
+    __version__ = "0.0.0+unknown"

@@ -93,9 +93,8 @@ def _train_config(**overrides: object) -> None:
 
     from hydra import compose, initialize_config_module
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     from hydra.core.hydra_config import HydraConfig
-    from train import check_config
+    from cuboid.train import check_config
 
     with initialize_config_module("cuboid.conf", version_base="1.3"):
         cfg = compose("train", overrides=[f"{k}={v}" for k, v in overrides.items()], return_hydra_config=True)
