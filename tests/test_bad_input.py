@@ -89,11 +89,10 @@ def _too_big_for_the_device() -> None:
 
 
 def _train_config(**overrides: object) -> None:
-    import sys
 
     from hydra import compose, initialize_config_module
-
     from hydra.core.hydra_config import HydraConfig
+
     from cuboid.train import check_config
 
     with initialize_config_module("cuboid.conf", version_base="1.3"):

@@ -51,8 +51,18 @@ def main(out: Path, max_steps: int, resume: bool) -> None:
     if trainer.is_global_zero:
         saved = sorted(p.name for p in (out / "ckpts").iterdir())
         sharded = all((out / "ckpts" / name / ".metadata").is_file() for name in saved)
-        print(json.dumps({"steps": trainer.global_step, "resumed_from": path, "saved": saved, "sharded": sharded,
-                          "strategy": type(trainer.strategy).__module__, "cuboid": cuboid.__file__}))
+        print(
+            json.dumps(
+                {
+                    "steps": trainer.global_step,
+                    "resumed_from": path,
+                    "saved": saved,
+                    "sharded": sharded,
+                    "strategy": type(trainer.strategy).__module__,
+                    "cuboid": cuboid.__file__,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,16 @@ def main(cfg: DictConfig) -> None:
     trainer.fit(CausalLM(model=instantiate(cfg.model), max_steps=cfg.trainer.max_steps), data)
     if trainer.is_global_zero:
         layout = strategy.layout.resolve(trainer.world_size)
-        print(json.dumps({"steps": trainer.global_step, "tp": layout.tp, "dp_shard": layout.dp_shard,
-                          "strategy": type(strategy).__name__}))
+        print(
+            json.dumps(
+                {
+                    "steps": trainer.global_step,
+                    "tp": layout.tp,
+                    "dp_shard": layout.dp_shard,
+                    "strategy": type(strategy).__name__,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":
