@@ -248,11 +248,19 @@ def torch_function_modes() -> list[Any]:
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
-    """A named 1-D view of some mesh dims (``mesh[name]`` answers afterwards). ``DeviceMesh._flatten`` has no public
-    twin in torch 2.13; torchtitan uses it the same way. torch 2.13 warns that looking a flattened dim up by name
-    on the root mesh "will be deprecated": ``mesh["data_parallel"]`` for ModelParallelStrategy-style modules
-    depends on it (pinned in tests/test_compat.py)."""
+    """A named 1-D view of some mesh dims. ``DeviceMesh._flatten`` has no public twin in torch 2.11 or 2.13;
+    torchtitan uses it the same way. Both warn that looking a flattened dim up by name on the root mesh "will be
+    deprecated" and ask callers to keep the flattened mesh themselves: Cuboid does (``cuboid.parallel.mesh.submesh``);
+    only a user's ``mesh["data_parallel"]`` (ModelParallelStrategy's name) still takes torch's lookup (pinned in
+    tests/test_compat.py)."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A 1-D mesh split into ``len(sizes)`` named dims (``DeviceMesh._unflatten``, torch 2.11 and 2.13; no public
+    twin): how a 2-D view whose inner dim is itself flattened (HSDP's ``dp_replicate x dp_shard_cp``) is made without
+    slicing a flattened name from the root mesh."""
+    return mesh._unflatten(0, sizes, names)
 
 
 def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:
@@ -321,3 +329,17 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     ``torch.nn.utils.clip_grads_with_norm_`` uses; that one takes parameters, whose DTensor gradients of different
     meshes it cannot combine)."""
     torch._foreach_mul_(tensors, scalar)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` was changed in place (autograd's version counter, ``Tensor._version``; no public
+    twin in torch 2.11 or 2.13). Read on the host, never a device value: how the buffer broadcast tells which
+    buffers a step changed without a collective (pinned in tests/test_compat.py)."""
+    return tensor._version
+
+
+def layer_sync(strategy: Any) -> Any:
+    """What ``Trainer(sync_batchnorm=True)`` (or a ``LayerSync`` plugin) asked the strategy for: Lightning's
+    accelerator connector sets it on ``Strategy._layer_sync`` (lightning 2.5 and 2.6), which DDP and FSDP read in
+    ``setup``; ``None`` when not asked (pinned in tests/test_compat.py)."""
+    return getattr(strategy, "_layer_sync", None)

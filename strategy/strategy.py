@@ -32,13 +32,8 @@ from cuboid.context import ContextParallel
 from cuboid.experts.balance import LoadBalancing
 from cuboid.job import JobGuard
 from cuboid.job import launch as job_launch
-from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import (
-    FLATTENED,
-    MESH_NAMES,
-    Layout,
-    check_reshard_after_forward,
-)
+from cuboid.parallel import BufferBroadcast, build, plans, sync_batchnorm
+from cuboid.parallel.mesh import FLATTENED, MESH_NAMES, Layout, check_reshard_after_forward, submesh
 from cuboid.parallel.mesh_strategy import MeshStrategy
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
 from cuboid.parallel.styles import canonical_style
@@ -113,6 +108,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             stops every rank, naming the collective, its mesh dimension and the ranks that never joined.
         flight_recorder: Entries in torch's flight recorder (0: off), dumped under
             ``<default_root_dir>/flight_recorder`` on a timeout. Default 20000, as torchtitan.
+        broadcast_buffers: As DDP's: the first data-parallel rank's buffers (BatchNorm's statistics) changed by a
+            step go to the others before each step and save; ``"all"``: every buffer; ``False``: none.
     """
 
     strategy_name = "cuboid"
@@ -145,6 +142,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         flight_recorder: int = 20000,
+        broadcast_buffers: bool | Literal["all"] = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -186,6 +184,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1
         self._experts: ExpertsLayout | None = None
+        self.buffers = BufferBroadcast(broadcast_buffers)
 
     @override
     def _configure_launcher(self) -> None:
@@ -239,6 +238,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         assert lm is not None
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
+        sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             sources = [] if self._pretrained_loaded else pretrained_weights.plan_all(lm, self.pretrained)
             compat.materialize_distributed_module(lm, self.root_device)
@@ -252,6 +252,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.faults.setup(trainer, fitting, self.checkpointer.failure, self.checkpointer.settle)
         self.model_to_device()
+        self.buffers.setup(lm, self.dp_group)
         self.barrier()
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
@@ -294,7 +295,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
         else:
             build.parallelize_plain(lm, blocks, matched, settings)
-        build.finish_weights(lm, weights, blocks, self.root_device, mesh["dp"], self.cpu_offload)
+        build.finish_weights(lm, weights, blocks, self.root_device, submesh(mesh, "dp"), self.cpu_offload)
         if pipelined:
             self.pipelining.build_schedule(stages, mesh, self.root_device)
         if self.context.enabled:  # under pp, the runner cuts the schedule's inputs
@@ -322,6 +323,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        self.buffers.sync()
         with self.context.step(), self.balance.step(), self.loss_parallel.step(self.lightning_module):
             return loss_parallel.plain_output(step(*args, **kwargs))
 
@@ -333,6 +335,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             return self._plain_step(super().training_step, *args, **kwargs)
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
+        self.buffers.sync()
         with self.context.step(), self.balance.step():
             return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
 
@@ -359,6 +362,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
+        self.buffers.sync()
         with self.context.step(), self.balance.step():
             return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
 
@@ -366,6 +370,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipelining.enabled:
             self.pipelining.refuse_predict()
+        self.buffers.sync()
         return super().predict_step(*args, **kwargs)
 
     @override

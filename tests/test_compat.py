@@ -195,8 +195,19 @@ def test_launcher_parts_and_process_group_helpers(tmp_path, monkeypatch) -> None
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-        compat.flatten_mesh(mesh["a", "b"], "ab")
-        assert mesh["ab"].size() == 1 and mesh["ab"].mesh_dim_names == ("ab",)
+        flat = compat.flatten_mesh(mesh["a", "b"], "ab")
+        assert flat.size() == 1 and flat.mesh_dim_names == ("ab",)
+        with pytest.warns(UserWarning, match="Slicing a flattened dim"):  # why Cuboid keeps its views itself
+            assert mesh["ab"].mesh_dim_names == ("ab",)
+        two = compat.unflatten_mesh(flat, (1, 1), ("x", "y"))
+        assert two.mesh_dim_names == ("x", "y") and two["y"].size() == 1
+        from cuboid.parallel.mesh import Layout, build_device_mesh, fsdp_mesh, submesh
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Cuboid's own lookups never take torch's deprecated path
+            root, dp = build_device_mesh(Layout(dp_shard=1), "cpu")
+            assert submesh(root, "dp") is dp and fsdp_mesh(root).mesh_dim_names == ("dp_shard",)
+            assert submesh(root, "dp_shard_cp").mesh_dim_names == ("dp_shard_cp",)
         store = compat.default_store()  # the peer watchdog's heartbeats: set, check, get on the rendezvous store
         store.set("cuboid/heartbeat/0", "1")
         assert store.check(["cuboid/heartbeat/0"]) and store.get("cuboid/heartbeat/0") == b"1"

@@ -40,6 +40,7 @@ from cuboid.checkpoint.format import (
     remove_path,
 )
 from cuboid.checkpoint.full import FullFormat
+from cuboid.checkpoint.hparams import storable_hparams
 from cuboid.checkpoint.lightning import LightningFormat
 from cuboid.checkpoint.resume import SkipFirstBatches
 from cuboid.checkpoint.sharded import ShardedFormat
@@ -149,6 +150,7 @@ class Checkpointer:
         """Write ``module``'s and ``optimizers``' shards and ``state`` (Lightning's checkpoint dict, or a Fabric
         loop's other entries) to ``path`` in the format set, in the background when saves are async."""
         self.wait()
+        storable_hparams(state)  # a module among the hyper-parameters: left out with a warning, not a crash
         adapters = adapter_configs(module)
         if adapters:  # PEFT adapters: their configs, so that `python -m cuboid.export --peft` needs no model
             state.setdefault("cuboid", {})["adapters"] = adapters

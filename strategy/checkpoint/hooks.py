@@ -51,6 +51,9 @@ class CheckpointHooks:
             raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         assert self.model is not None and self.lightning_module is not None
         path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
+        buffers = getattr(self, "buffers", None)
+        if buffers is not None:  # the first data-parallel rank's buffers, as DDP saves rank 0's
+            buffers.sync()
         self.checkpointer.save(
             path, checkpoint, self.model, self.optimizers, trainer, self.layout.sizes, self.device_mesh
         )

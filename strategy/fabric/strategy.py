@@ -39,7 +39,7 @@ from cuboid.fabric.optimizers import NoGradientSync, check_optimizer, optimizers
 from cuboid.fabric.precision import FabricPrecision
 from cuboid.job import launch as job_launch
 from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import FLATTENED, Layout, check_reshard_after_forward
+from cuboid.parallel.mesh import FLATTENED, Layout, check_reshard_after_forward, submesh
 from cuboid.parallel.mesh_strategy import MeshCollectives
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
 from cuboid.parallel.styles import canonical_style
@@ -237,7 +237,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         # the model is one FSDP root with its blocks (as a LightningModule's child is), not each of its children
         held_blocks = [(_child(name), block) for name, block in blocks]
         build.parallelize_plain(holder, held_blocks, {_child(k): v for k, v in matched.items()}, settings)
-        build.finish_weights(holder, weights, held_blocks, self.root_device, mesh["dp"], self.cpu_offload)
+        build.finish_weights(holder, weights, held_blocks, self.root_device, submesh(mesh, "dp"), self.cpu_offload)
         if self.context.enabled:
             self.context.setup(module, [name for name, _ in blocks], mesh["cp"].get_group(), root=module)
         self.balance.setup(module, blocks, *self.token_groups(), True, self.context.step_padding, root=module)

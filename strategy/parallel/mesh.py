@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from cuboid.compat import flatten_mesh
+from cuboid.compat import flatten_mesh, unflatten_mesh
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
@@ -126,14 +126,29 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     The flattened ``dp`` mesh (dp_replicate x dp_shard, named ``"dp"``) is what the data
     sampler, loss and metric reduction use. The mesh also answers to Lightning's
     ModelParallelStrategy names, so a ``configure_model`` written for it runs unchanged:
-    ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp).
+    ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp). Cuboid keeps every flattened view
+    it makes and finds it with :func:`submesh` (torch deprecates looking them up on the root mesh).
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
-    dp_mesh = flatten_mesh(mesh[DP_DIMS], "dp")
-    flatten_mesh(mesh[SHARD_CP_DIMS], "dp_shard_cp")
-    flatten_mesh(mesh[DP_DIMS], "data_parallel")
-    flatten_mesh(mesh["tp"], "tensor_parallel")
-    return mesh, dp_mesh
+    views: dict[str | tuple[str, ...], DeviceMesh] = {
+        "dp": flatten_mesh(mesh[DP_DIMS], "dp"),
+        "dp_shard_cp": flatten_mesh(mesh[SHARD_CP_DIMS], "dp_shard_cp"),
+        "data_parallel": flatten_mesh(mesh[DP_DIMS], "data_parallel"),
+        "tensor_parallel": flatten_mesh(mesh["tp"], "tensor_parallel"),
+    }
+    if layout.dp_replicate > 1 and layout.cp > 1:  # HSDP with cp: FSDP's 2-D mesh over replicas x (shards x cp)
+        every = flatten_mesh(mesh[(*DP_DIMS, "cp")], "dp_cp")
+        sizes = (layout.dp_replicate, layout.dp_shard * layout.cp)  # type: ignore[operator]
+        views[("dp_replicate", "dp_shard_cp")] = unflatten_mesh(every, sizes, ("dp_replicate", "dp_shard_cp"))
+    mesh.cuboid_views = views  # type: ignore[attr-defined]  # the bookkeeping torch asks for, kept on the root
+    return mesh, views["dp"]
+
+
+def submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]``, where a flattened view that :func:`build_device_mesh` made is returned as kept, not looked
+    up on the root mesh (torch's deprecated path)."""
+    kept = getattr(mesh, "cuboid_views", {})
+    return kept[names] if names in kept else mesh[names]
 
 
 def build_ep_meshes(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
@@ -154,8 +169,8 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     parallel, ``dp_shard_cp`` (dp_shard x cp flattened) in place of ``dp_shard``."""
     shard = "dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", shard]
-    return mesh[shard]
+        return submesh(mesh, ("dp_replicate", shard))
+    return submesh(mesh, shard)
 
 
 def check_reshard_after_forward(value: bool | int, dp_shard: int | str) -> None:
@@ -176,7 +191,7 @@ def dim_groups(mesh: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
     found = []
     for name in names:
         try:
-            found.append((name, mesh[name].get_group()))
+            found.append((name, submesh(mesh, name).get_group()))
         except (KeyError, RuntimeError, ValueError):
             continue
     return found

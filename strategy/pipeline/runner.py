@@ -168,7 +168,12 @@ class PipelineRunner:
 
             if cp and tokens is not None:
                 inputs, stage_kwargs = self.context.pipeline_inputs(inputs, stage_kwargs, tokens, self.microbatches)
-            inputs = inputs if self.has_first else ()
+            # Contiguous: torch 2.11's stages check each input's strides against the shapes they inferred (a
+            # ``batch[:, :-1]`` slice has its parent's row stride); a no-op for inputs that already are.
+            inputs = (
+                tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs) if self.has_first else ()
+            )
+            stage_kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in stage_kwargs.items()}
         except (PipelineError, decoder.DecoderSplitError, ValueError) as err:
             problem = str(err)
         if hook not in self._checked:
