@@ -417,3 +417,28 @@ def test_torch_function_modes_lists_the_active_modes_outermost_first() -> None:
     assert compat.torch_function_modes() == []
     with outer, inner:
         assert compat.torch_function_modes() == [outer, inner]
+
+
+def test_tensor_version_counts_in_place_changes_but_not_batchnorms_kernel() -> None:
+    """The buffer broadcast reads torch's version counter: an in-place op counts; BatchNorm's kernel updates its
+    running statistics uncounted and counts ``num_batches_tracked`` (why whole modules are sent)."""
+    buf = torch.zeros(3)
+    before = compat.tensor_version(buf)
+    buf.add_(1)
+    assert compat.tensor_version(buf) == before + 1
+    bn = nn.BatchNorm1d(4)
+    versions = [compat.tensor_version(b) for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    bn(torch.randn(8, 4))
+    after = [compat.tensor_version(b) for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    assert after[2] == versions[2] + 1 and after[:2] == versions[:2]
+
+
+def test_sync_batchnorm_reaches_the_strategy_as_layer_sync() -> None:
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    from cuboid import CuboidStrategy
+
+    trainer = L.Trainer(strategy=CuboidStrategy(), accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
+    assert isinstance(compat.layer_sync(trainer.strategy), TorchSyncBatchNorm)
+    trainer = L.Trainer(strategy=CuboidStrategy(), accelerator="cpu", devices=2, logger=False)
+    assert compat.layer_sync(trainer.strategy) is None

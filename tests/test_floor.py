@@ -43,3 +43,22 @@ def test_floor_subset_matches_single_process(name: str, results) -> None:
     rel, err = parity_errors(results[name], reference_run(), slice(6, None) if name.endswith("to-dp2") else slice(None))
     print(f"{name} (torch {torch.__version__}, lightning {lightning.__version__}): {rel:.2e} / {err:.2e}")
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+
+
+@pytest.mark.slow
+def test_floor_main_job_runs_with_hydra_and_wandb(tmp_path) -> None:
+    """The main job (Hydra's composition, ``pkg://cuboid.conf``, W&B's offline run) at the installed versions: in
+    the floor job, hydra-core's and wandb's floors."""
+    import sys
+
+    import hydra
+    import wandb
+    from harness import run_checked, worker_env
+
+    overrides = ["trainer.max_steps=10", "trainer.val_check_interval=5", f"data.cache_dir={tmp_path / 'cache'}"]
+    out = run_checked([sys.executable, "-m", "cuboid.train", *overrides], timeout=300, env=worker_env(), cwd=tmp_path)
+    (summary,) = tmp_path.glob("outputs/*/*/summary.json")
+    result = json.loads(summary.read_text())
+    print(f"main job (hydra-core {hydra.__version__}, wandb {wandb.__version__}): {result['steps']} steps")
+    assert result["steps"] == 10 and result["val_loss"] == result["val_loss"]  # validated (not NaN)
+    assert list(summary.parent.glob("wandb/offline-run-*")), out[-2000:]
