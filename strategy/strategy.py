@@ -238,6 +238,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         assert lm is not None
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
+        self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             sources = [] if self._pretrained_loaded else pretrained_weights.plan_all(lm, self.pretrained)

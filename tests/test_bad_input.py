@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import AsyncCheckpointIO, LayerSync, TorchSyncBatchNorm
 from torch import nn
 
 from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
@@ -23,6 +24,7 @@ from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
 from cuboid.fabric.optimizers import check_optimizer
 from cuboid.models import CausalLM, Llama, LlamaConfig
+from cuboid.parallel import sync_batchnorm
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
@@ -39,6 +41,14 @@ class _Wrapper(L.LightningModule):
         else:
             with torch.device("meta"):
                 self.model = Llama(cfg or LlamaConfig())
+
+
+class _MyLayerSync(LayerSync):
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 class _ListModel(L.LightningModule):
@@ -523,6 +533,26 @@ CASES.update(
             _lora_init_that_reads_the_base_on_meta,
             ValueError,
             r"init_lora_weights='pissa', which reads the base weights .* Build the model for real",
+        ),
+        "sync_batchnorm under context parallel": (
+            lambda: sync_batchnorm(TorchSyncBatchNorm(), Layout(cp=2), nn.Module(), None),
+            LayoutError,
+            r"sync_batchnorm=True\) with context_parallel=2: .* Set context_parallel=1, or drop sync_batchnorm",
+        ),
+        "a LayerSync plugin other than sync_batchnorm": (
+            lambda: sync_batchnorm(_MyLayerSync(), Layout(), nn.Module(), None),
+            TypeError,
+            r"plugins=\[_MyLayerSync\(\)\]\): CuboidStrategy honours only Trainer\(sync_batchnorm=True\)",
+        ),
+        "a CheckpointIO plugin": (
+            lambda: Checkpointer.refuse_checkpoint_io(AsyncCheckpointIO()),
+            TypeError,
+            r"plugins=\[AsyncCheckpointIO\(...\)\]\): .* cannot use a CheckpointIO plugin. For saves in the background",
+        ),
+        "an unknown broadcast_buffers mode": (
+            lambda: _trainer(broadcast_buffers="some"),
+            ValueError,
+            r"broadcast_buffers='some': choose True \(changed buffers\), 'all' or False",
         ),
         "a Fabric checkpoint of two models": (
             lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),

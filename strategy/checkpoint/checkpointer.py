@@ -235,6 +235,21 @@ class Checkpointer:
             if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
                 compat.route_link_checkpoint(callback, self.link)
 
+    @staticmethod
+    def refuse_checkpoint_io(checkpoint_io: Any) -> None:
+        """A ``CheckpointIO`` plugin (``Trainer(plugins=[...])``) would be ignored: Cuboid writes and reads its
+        checkpoints itself (every rank its own shards), so any other than Lightning's default is refused by name."""
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        if type(checkpoint_io) is not TorchCheckpointIO:
+            name = type(checkpoint_io).__name__
+            hint = " For saves in the background, set CuboidStrategy(async_checkpoint=True)." if "Async" in name else ""
+            raise TypeError(
+                f"Trainer(plugins=[{name}(...)]): CuboidStrategy writes its checkpoints with "
+                f"torch.distributed.checkpoint (each rank its own shards) and cannot use a CheckpointIO plugin.{hint} "
+                "Remove the plugin; CuboidStrategy(checkpoint_format='full') writes one file instead."
+            )
+
     def link(self, trainer: Any, filepath: str | os.PathLike, linkpath: str | os.PathLike) -> None:
         """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""
         self.wait()
