@@ -19,7 +19,12 @@ DECOY_LOG = _DECOYS / "calls.log"
 
 
 def pytest_configure(config) -> None:
+    # The suite's own interpreter first: what the tests start as `python` (SLURM jobs, Lightning's launcher, shell
+    # scripts) is the interpreter running the suite, also from a virtual environment that was not activated.
+    here = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != here:
+        path = f"{here}{os.pathsep}{path}"
     for name in SLURM_COMMANDS:
         real = shutil.which(name, path=path)
         through = f'if [ -n "$SLURM_CONF" ] && [ "$SLURM_CONF" = "${PRIVATE_CONF_VAR}" ]; then exec {real} "$@"; fi\n'

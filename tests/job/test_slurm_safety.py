@@ -18,3 +18,14 @@ def test_slurm_commands_are_the_sessions_decoys() -> None:
 
 def test_no_test_has_reached_a_slurm_command_so_far() -> None:
     assert not DECOY_LOG.exists() or not DECOY_LOG.read_text().strip(), DECOY_LOG.read_text()
+
+
+def test_python_on_the_path_is_the_suites_interpreter() -> None:
+    """SLURM jobs and scripts the tests start run ``python`` from the PATH: the suite's own interpreter comes first,
+    so a suite run as ``.venv/bin/python -m pytest`` (the venv not activated) starts its jobs in that venv."""
+    import os
+    import sys
+
+    found = shutil.which("python")
+    assert found is not None and Path(found).parent == Path(sys.executable).parent, (found, sys.executable)
+    assert os.environ["PATH"].split(os.pathsep)[1] == os.path.dirname(sys.executable)
