@@ -51,6 +51,9 @@ PUBLIC = [
     "cuboid.planning.expected",
     "cuboid.checkpoint.CheckpointFormat",
     "cuboid.data.TokenDataModule",
+    "cuboid.train.main",
+    "cuboid.parallel.DataParallelBatchNorm",
+    "cuboid.parallel.BufferBroadcast",
     "cuboid.models.CausalLM",
     "cuboid.models.Llama",
     "cuboid.models.LlamaConfig",
@@ -115,6 +118,8 @@ def test_hydra_targets_resolve() -> None:
 @pytest.mark.parametrize(
     "command, usage",
     [
+        (["-m", "cuboid.train", "--help"], "train is powered by Hydra"),
+        ([str(ROOT / "scripts" / "train.py"), "--help"], "== Configuration groups =="),
         (["-m", "cuboid.layout", "--help"], "usage: python -m cuboid.layout"),
         (["-m", "cuboid.dryrun", "--help"], "usage: python -m cuboid.dryrun"),
         (["-m", "cuboid.export", "--help"], "usage: python -m cuboid.export"),
