@@ -38,9 +38,9 @@ from cuboid.checkpoint.format import (
     publish,
     rank,
     remove_path,
+    storable_hparams,
 )
 from cuboid.checkpoint.full import FullFormat
-from cuboid.checkpoint.hparams import storable_hparams
 from cuboid.checkpoint.lightning import LightningFormat
 from cuboid.checkpoint.resume import SkipFirstBatches
 from cuboid.checkpoint.sharded import ShardedFormat

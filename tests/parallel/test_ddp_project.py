@@ -95,7 +95,7 @@ def test_sync_batchnorm_is_refused_where_it_cannot_hold() -> None:
 
 
 def test_hyper_parameters_keep_what_pickles_and_name_what_is_left_out() -> None:
-    from cuboid.checkpoint.hparams import storable_hparams
+    from cuboid.checkpoint.format import storable_hparams
 
     net = nn.Linear(2, 2)
     net.__class__ = type("FSDPLinear", (nn.Linear,), {})  # what fully_shard does: a class pickle cannot find
