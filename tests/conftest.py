@@ -38,6 +38,15 @@ def pytest_configure(config) -> None:
     os.environ["PATH"] = f"{_DECOYS}{os.pathsep}{path}"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The quick tier (``-m quick``): every test not marked slow joins it; a slow one joins by its own mark."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """A call that reached a SLURM command fails the run, naming it."""
     if DECOY_LOG.exists() and DECOY_LOG.read_text().strip():

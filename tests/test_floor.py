@@ -36,6 +36,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.quick  # the quick tier's multi-process launch: dp2, tp2, pp2 and a checkpoint reshard
 @pytest.mark.parametrize("name", [*RUNS, "floor-tp2-to-dp2"])
 def test_floor_subset_matches_single_process(name: str, results) -> None:
     import lightning

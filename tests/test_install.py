@@ -76,6 +76,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     return python, work, env
 
 
+@pytest.mark.slow  # the module's fixture builds and installs the wheel (about a minute)
 def test_wheel_and_sdist_hold_every_package(installed: tuple[Path, Path, dict[str, str]]) -> None:
     dist = installed[1].parent / "dist"
     (wheel,) = dist.glob("cuboid-*.whl")
@@ -92,6 +93,7 @@ def test_wheel_and_sdist_hold_every_package(installed: tuple[Path, Path, dict[st
     assert "cuboid/conf/strategy/fsdp_tp.yaml" in in_wheel and "cuboid/conf/train.yaml" in in_wheel
 
 
+@pytest.mark.slow  # the module's fixture builds and installs the wheel (about a minute)
 def test_installed_package_imports_every_name(installed: tuple[Path, Path, dict[str, str]]) -> None:
     python, work, env = installed
     sys.path.insert(0, str(Path(__file__).parent))
@@ -114,6 +116,7 @@ def test_installed_package_imports_every_name(installed: tuple[Path, Path, dict[
     assert seen["version"] == version
 
 
+@pytest.mark.slow  # the module's fixture builds and installs the wheel (about a minute)
 @pytest.mark.parametrize("module", ["cuboid.train", "cuboid.layout", "cuboid.dryrun", "cuboid.export"])
 def test_installed_command_lines_answer_help(installed: tuple[Path, Path, dict[str, str]], module: str) -> None:
     python, work, env = installed
