@@ -332,8 +332,9 @@ def _why_not_storable(value: Any) -> str | None:
 
 
 def storable_hparams(state: dict[str, Any]) -> list[str]:
-    """Replace ``state``'s hyper-parameter mappings by copies without the entries that cannot be stored; return
-    their names (each warned about once per process). The module's own ``hparams`` are not touched."""
+    """Replace ``state``'s hyper-parameter dicts (Lightning dumps ``dict(hparams)``, or the OmegaConf container
+    itself) by copies without the entries that cannot be stored; return their names (each warned about once per
+    process). The module's own ``hparams`` are not touched."""
     left_out = []
     for key in HPARAM_KEYS:
         hparams = state.get(key)
@@ -353,13 +354,6 @@ def storable_hparams(state: dict[str, Any]) -> list[str]:
                     f"`load_from_checkpoint`, pass it again (`load_from_checkpoint(path, {name}=...)`); to silence "
                     f"this, `self.save_hyperparameters(ignore=[{name!r}])`."
                 )
-        state[key] = type(hparams)(kept) if type(hparams) is not dict and _rebuildable(hparams) else kept
+        if len(kept) < len(hparams):
+            state[key] = kept
     return left_out
-
-
-def _rebuildable(hparams: Mapping[str, Any]) -> bool:
-    try:
-        type(hparams)({})
-    except Exception:
-        return False
-    return True

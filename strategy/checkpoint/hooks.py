@@ -15,9 +15,11 @@ from cuboid.checkpoint.checkpointer import Checkpointer
 
 class CheckpointHooks:
     """Mixed into :class:`cuboid.CuboidStrategy` before its ``ParallelStrategy`` base: needs ``checkpointer``,
-    ``broadcast``, ``model``, ``optimizers``, ``layout``, ``device_mesh`` and ``lightning_module``."""
+    ``broadcast``, ``model``, ``optimizers``, ``layout``, ``device_mesh``, ``lightning_module`` and ``buffers`` (a
+    :class:`cuboid.parallel.BufferBroadcast`: the first data-parallel rank's buffers are saved, as DDP saves rank 0's)."""
 
     checkpointer: Checkpointer
+    buffers: Any
 
     @property
     @override
@@ -51,9 +53,7 @@ class CheckpointHooks:
             raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         assert self.model is not None and self.lightning_module is not None
         path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
-        buffers = getattr(self, "buffers", None)
-        if buffers is not None:  # the first data-parallel rank's buffers, as DDP saves rank 0's
-            buffers.sync()
+        self.buffers.sync()
         self.checkpointer.save(
             path, checkpoint, self.model, self.optimizers, trainer, self.layout.sizes, self.device_mesh
         )
