@@ -55,6 +55,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    harness = sys.modules.get("harness")
+    if harness is not None:  # the fork server of the multi-process launches, and every process it started
+        harness.FORKSERVER.stop()
     shutil.rmtree(_DECOYS, ignore_errors=True)  # the decoys' directory goes with the session
 
 

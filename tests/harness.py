@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,39 +39,281 @@ def worker_env(**extra: str) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
             "WANDB_MODE": "offline",
             "WANDB_SILENT": "true",
-            "PYTHONFAULTHANDLER": "1",
+            "PYTHONFAULTHANDLER": "1",  # a worker that dies of a signal prints every thread's Python stack
+            # torch.compile's kernels built in the rank itself: a pool of compile workers costs more than it
+            # saves on 2 cores shared by several ranks (the compiled parity run: 41 s instead of 48 s)
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
         }
-    )  # a worker that dies of a signal prints every thread's Python stack
+    )
     env.update(extra)
     return env
 
 
-def run_checked(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT) -> str:
-    """Run ``cmd``; on failure, fail the test with the tail of its output."""
-    proc = subprocess.run(
-        cmd, cwd=cwd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
+def run_checked(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT, fresh: bool = False
+) -> str:
+    """Run ``cmd``; on failure, fail the test with the tail of its output (and the first faulthandler report).
+
+    ``python ...`` (the suite's interpreter) runs forked from the fork server, with every process it launches
+    through ``sys.executable`` (Lightning's launcher); ``fresh=True``, an interpreter option, a changed start-up
+    variable or ``CUBOID_TEST_LAUNCH=torchrun`` run a fresh interpreter instead (a test of what a fresh process
+    prints at import needs one)."""
+    env = env or worker_env()
+    proc = python(cmd, timeout=timeout, env=env, cwd=cwd, fresh=fresh)
+    code, out = proc.returncode, proc.stdout + proc.stderr
+    if code != 0:
         crash = out.find("Fatal Python error")  # a worker's native crash: faulthandler's stacks (PYTHONFAULTHANDLER)
         stacks = f"\n...\n{out[crash : crash + 4000]}\n...\n" if 0 <= crash < len(out) - 6000 else ""
-        pytest.fail(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:{stacks}\n{out[-6000:]}")
+        pytest.fail(f"{' '.join(cmd[:6])} ... exited {code}:{stacks}\n{out[-6000:]}")
     return out
 
 
+def python(
+    cmd: list[str], timeout: float = 300, env: dict[str, str] | None = None, cwd: Path = ROOT, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a command of the suite's interpreter (``cmd[0]``
+    is ``sys.executable``), forked from the fork server unless ``fresh`` (see :func:`run_checked`); the
+    environment defaults to this process's."""
+    if not fresh and cmd[0] == sys.executable and os.environ.get("CUBOID_TEST_LAUNCH") != "torchrun":
+        ran = FORKSERVER.run(cmd[1:], dict(os.environ) if env is None else env, cwd, timeout)
+        if ran is not None:
+            return subprocess.CompletedProcess(cmd, ran[0], ran[1], ran[2])
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@dataclass
+class Launch:
+    """What a multi-process launch left: each rank's exit code (negative: the signal that ended it; None: still
+    running at the timeout, then killed) and the ranks' interleaved output."""
+
+    script: Path
+    args: list[str]
+    nprocs: int
+    codes: list[int | None]
+    out: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and not any(self.codes)
+
+    def running_spec(self) -> str | None:
+        """The spec a worker had started and not finished when the launch ended (workers print both marks)."""
+        started = [m.group(1) for m in re.finditer(r"cuboid-test: spec (\S+) starts", self.out)]
+        done = set(re.findall(r"cuboid-test: spec (\S+) done", self.out))
+        open_ = [name for name in started if name not in done]
+        return open_[-1] if open_ else None
+
+    def message(self) -> str:
+        """Why the launch failed: the exit codes by name, the spec it was running, faulthandler's stacks, the tail."""
+        how = (f"did not finish in its time limit (killed; {_codes(self.codes)})" if self.timed_out
+               else f"exited with {_codes(self.codes)}")  # fmt: skip
+        spec = self.running_spec()
+        crash = self.out.find("Fatal Python error")
+        stacks = f"\n...\n{self.out[crash : crash + 6000]}\n...\n" if 0 <= crash < len(self.out) - 6000 else ""
+        where = f" while running spec {spec}" if spec else ""
+        return f"{self.script.name} on {self.nprocs} ranks {how}{where}:{stacks}\n{self.out[-6000:]}"
+
+
+def _codes(codes: list[int | None]) -> str:
+    def one(code: int | None) -> str:
+        if code is None:
+            return "running"
+        if code < 0:
+            return signal.Signals(-code).name
+        return str(code)
+
+    return ", ".join(f"rank {r}: {one(c)}" for r, c in enumerate(codes))
+
+
+def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launch:
+    """Run ``script`` on ``nprocs`` local processes in a TorchElastic environment (what torchrun gives a worker) and
+    return what they left, failed or not.
+
+    The ranks are forked from the suite's fork server (``tests/forkserver.py``: torch, Lightning, transformers and
+    Cuboid imported once); ``CUBOID_TEST_LAUNCH=torchrun`` launches them with ``python -m torch.distributed.run``
+    instead, each rank a fresh interpreter."""
+    if os.environ.get("CUBOID_TEST_LAUNCH") == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(script), *args]  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True)
+        return Launch(script, list(args), nprocs, [proc.returncode], proc.stdout + proc.stderr)
+    return FORKSERVER.launch(nprocs, script, list(args), timeout)
+
+
 def torchrun(nprocs: int, script: Path, *args: str, timeout: float = 600) -> str:
-    """Launch ``script`` on ``nprocs`` local processes with torchrun (TorchElastic environment)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nprocs}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(script),
-        *args,
-    ]
-    return run_checked(cmd, timeout)
+    """:func:`launch`, failing the test when any rank failed (the message: :meth:`Launch.message`)."""
+    ran = launch(nprocs, script, *args, timeout=timeout)
+    if not ran.ok:
+        pytest.fail(ran.message())
+    return ran.out
+
+
+class SpecRuns(dict):
+    """The results of specs that workers ran, by spec name: ``<out>/<name>.pt`` (torch) or
+    ``<out>/<name>.error.json`` (a spec that expected an error).
+
+    :meth:`launch` runs a list of specs and never fails by itself: a spec that left its result is read by its tests
+    as usual, and only the tests that read a spec without one fail, each naming that spec, its launch's size and
+    what the launch left (exit codes by signal name, the spec running at the crash, faulthandler's stacks)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+        self.launches: dict[str, Launch] = {}
+
+    def launch(self, nprocs: int, script: Path, specs: list[dict], *extra: str, timeout: float = 600) -> Launch:
+        import json
+
+        ran = launch(nprocs, script, str(self.out), json.dumps(specs), *extra, timeout=timeout)
+        for spec in specs:
+            self.launches[spec["name"]] = ran
+            self.load(spec["name"])
+        return ran
+
+    def load(self, name: str) -> None:
+        import json
+
+        import torch
+
+        if (self.out / f"{name}.pt").exists():
+            self[name] = torch.load(self.out / f"{name}.pt", weights_only=False)
+        elif (self.out / f"{name}.error.json").exists():
+            self[name] = json.loads((self.out / f"{name}.error.json").read_text())
+
+    def __missing__(self, name: str):
+        ran = self.launches.get(name)
+        if ran is None:
+            raise KeyError(name)
+        if ran.ok:
+            pytest.fail(
+                f"spec {name} left no result, though its launch on {ran.nprocs} ranks exited 0:\n{ran.out[-6000:]}"
+            )
+        pytest.fail(f"spec {name} left no result: {ran.message()}")
+
+    @property
+    def failed(self) -> list[Launch]:
+        return list({id(r): r for r in self.launches.values() if not r.ok}.values())
+
+
+class ForkServer:
+    """The client of ``tests/forkserver.py``: started at the first launch, stopped at the end of the session."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.dir: Path | None = None
+
+    def start(self) -> None:
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="cuboid-forkserver-"))
+        log = (self.dir / "server.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "forkserver.py"), str(self.dir / "socket")],
+            cwd=ROOT, env=worker_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 180
+        while "ready" not in (self.dir / "server.log").read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = (self.dir / "server.log").read_text()
+                self.stop()
+                pytest.fail(f"the fork server did not start (exit {self.proc.returncode}):\n{text[-6000:]}")
+            time.sleep(0.1)
+
+    def launch(self, nprocs: int, script: Path, args: list[str], timeout: float) -> Launch:
+        """Run ``script`` on ``nprocs`` forked ranks; on a timeout, every process of the launch is stopped (SIGABRT
+        first, so faulthandler prints their stacks, then SIGKILL)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        import json
+        import tempfile
+
+        fd, log = tempfile.mkstemp(prefix="ranks-", suffix=".log", dir=self.dir)
+        os.close(fd)
+        request = {"script": str(script), "args": args, "nprocs": nprocs, "env": worker_env(), "cwd": str(ROOT),
+                   "log": log, "master_port": free_port()}  # fmt: skip
+        agent, codes, timed_out = None, [None] * nprocs, False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(self.dir / "socket"))
+            conn.sendall((json.dumps(request) + "\n").encode())
+            conn.settimeout(timeout)
+            replies = conn.makefile("r")
+            try:
+                agent = json.loads(replies.readline())["agent"]
+                codes = json.loads(replies.readline())["codes"]
+            except TimeoutError:
+                timed_out = True
+                if agent is not None:
+                    kill_session(agent)
+        out = Path(log).read_text(errors="replace")
+        os.unlink(log)
+        return Launch(script, args, nprocs, codes, out, timed_out)
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str, str] | None:
+        """``python ARGV`` forked from the server, in ``cwd`` with ``env``; its exit code, stdout and stderr, or
+        None when the server cannot run it (the caller runs a fresh interpreter)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        import json
+        import tempfile
+
+        logs = [tempfile.mkstemp(prefix=f"run-{name}-", suffix=".log", dir=self.dir) for name in ("out", "err")]
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        request = {"kind": "run", "argv": argv, "env": env, "cwd": str(cwd)}
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(str(self.dir / "socket"))
+                socket.send_fds(conn, [(json.dumps(request) + "\n").encode()], [devnull, logs[0][0], logs[1][0]])
+                for fd in (devnull, logs[0][0], logs[1][0]):
+                    os.close(fd)
+                conn.settimeout(timeout)
+                replies = conn.makefile("r")
+                first = json.loads(replies.readline())
+                if "fallback" in first:
+                    return None
+                try:
+                    code = json.loads(replies.readline())["code"]
+                except TimeoutError:
+                    kill_session(first["agent"])
+                    out = "".join(Path(path).read_text(errors="replace") for _, path in logs)
+                    pytest.fail(f"python {' '.join(argv)[:300]} did not finish in {timeout} s:\n{out[-6000:]}")
+            out, err = (Path(path).read_text(errors="replace") for _, path in logs)
+            return code, out, err
+        finally:
+            for _, path in logs:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    def stop(self) -> None:
+        """Stop the server and anything it started; remove its directory."""
+        import shutil
+
+        if self.proc is not None:
+            kill_session(self.proc.pid, grace=0.0)
+            self.proc.wait()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.proc = self.dir = None
+
+
+def kill_session(leader: int, grace: float = 3.0) -> None:
+    """SIGABRT to every process of ``leader``'s session (faulthandler prints their stacks), then SIGKILL."""
+    members = [leader, *descendants(leader)]
+    if grace:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(grace)
+    for pid in [*members, *descendants(leader)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+FORKSERVER = ForkServer()
 
 
 def torchrun_session(nprocs: int, script: Path, *args: str, timeout: float = 60) -> tuple[int, str]:

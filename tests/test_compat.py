@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from harness import python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -242,7 +243,6 @@ def test_foreach_mul_scales_tensors_of_one_dtype_by_a_tensor_in_place() -> None:
 
 
 def test_fake_process_group_builds_meshes_in_one_process() -> None:
-    import subprocess
     import sys
 
     code = (
@@ -250,7 +250,8 @@ def test_fake_process_group_builds_meshes_in_one_process() -> None:
         "from torch.distributed.device_mesh import init_device_mesh;"
         "m = init_device_mesh('cpu', (4, 4), mesh_dim_names=('dp', 'tp')); print(dist.get_world_size(), m['tp'].size())"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = python([sys.executable, "-c", code], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["16", "4"]
 
 

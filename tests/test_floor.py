@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 RUNS = {
@@ -31,8 +31,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
          "save_dir": str(out / "tp2")}
     )  # fmt: skip
     specs.append({"name": "floor-tp2-to-dp2", "strategy": {}, "resume_from": str(out / "tp2" / "step=6.ckpt")})
-    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in specs}
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "parity_worker.py", specs)
+    return got
 
 
 @pytest.mark.slow

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import ast
 import importlib
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import python
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "strategy"
@@ -128,12 +128,12 @@ def test_hydra_targets_resolve() -> None:
     ],
 )
 def test_every_command_line_answers_help(command: list[str], usage: str) -> None:
-    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+    out = python([sys.executable, *command], timeout=120)
     assert out.returncode == 0 and usage in out.stdout, out.stdout + out.stderr
 
 
 def test_unknown_planner_argument_names_the_keys() -> None:
-    out = subprocess.run([sys.executable, "-m", "cuboid.layout", "gpus=8"], capture_output=True, text=True, timeout=60)
+    out = python([sys.executable, "-m", "cuboid.layout", "gpus=8"], timeout=60)
     assert out.returncode != 0 and "unknown argument 'gpus=8'" in out.stderr and "gpus_per_node" in out.stderr
 
 

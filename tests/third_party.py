@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from parity_lib import ADAMW, GLOBAL_BATCH, SEED, SEQ, Reference, TokenDataset
+from parity_lib import ADAMW, GLOBAL_BATCH, SEED, SEQ, Reference, TokenDataset, computed_once
 from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
@@ -200,6 +200,7 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], **ADAMW)
 
 
+@computed_once
 def reference_run(
     family: str,
     meta_init: bool = False,

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 import third_party
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, python, torchrun
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
 
 pytest.importorskip("peft")  # the suite installs cuboid[peft]; outside it, these are skipped
@@ -146,11 +145,8 @@ def test_the_exported_adapter_loads_in_peft_with_the_same_logits(results) -> Non
     from lora_worker import probe_batch
 
     out = results["out"] / "adapter"
-    subprocess.run(
-        [sys.executable, "-m", "cuboid.export", str(results["ckpts"] / "step=6.ckpt"), str(out), "--peft"],
-        check=True,
-        capture_output=True,
-    )
+    done = python([sys.executable, "-m", "cuboid.export", str(results["ckpts"] / "step=6.ckpt"), str(out), "--peft"])
+    assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")

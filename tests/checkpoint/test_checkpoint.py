@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WORKERS, free_port, torchrun, worker_env
+from harness import WORKERS, SpecRuns, free_port, python, run_checked, torchrun, worker_env
 from parity_lib import reference_run
 
 from cuboid.checkpoint import CheckpointError, read_model_weights
@@ -117,12 +117,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
             ],
         ),
     ]
+    got = SpecRuns(out)
     for world, specs in launches:
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    names = [s["name"] for _, specs in launches for s in specs if not s.get("expect_error")]
-    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
-    errors = [s["name"] for _, specs in launches for s in specs if s.get("expect_error")]
-    got.update({n: json.loads((out / f"{n}.error.json").read_text()) for n in errors})
+        got.launch(world, WORKERS / "parity_worker.py", specs)
     return out, got
 
 
@@ -300,33 +297,14 @@ def test_export_writes_one_safetensors_file_without_the_training_layout(runs, tm
 
     out, got = runs
     target = tmp_path / "model.safetensors"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cuboid.export",
-            str(out / "3d" / "step=6.ckpt"),
-            str(target),
-            "--dtype",
-            "bf16",
-        ],
-        check=True,
-        capture_output=True,
-        env=worker_env(),
-        timeout=120,
-    )
+    run_checked([sys.executable, "-m", "cuboid.export", str(out / "3d" / "step=6.ckpt"), str(target), "--dtype", "bf16"],
+                timeout=120)  # fmt: skip
     exported = load_file(target)
     full = read_model_weights(out / "3d" / "step=6.ckpt")
     assert set(exported) == set(full) == set(got["single-from-3d"]["params"])
     for name, tensor in exported.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, full[name].to(torch.bfloat16)), name
-    bad = subprocess.run(
-        [sys.executable, "-m", "cuboid.export", str(tmp_path / "nope"), str(target)],
-        capture_output=True,
-        text=True,
-        env=worker_env(),
-        timeout=120,
-    )
+    bad = python([sys.executable, "-m", "cuboid.export", str(tmp_path / "nope"), str(target)], 120, worker_env())
     assert bad.returncode != 0 and "does not exist" in bad.stderr
 
 
@@ -349,7 +327,7 @@ def test_export_to_hugging_face_llama_gives_the_same_logits(tmp_path: Path) -> N
     (tmp_path / "cfg.yaml").write_text(
         "\n".join(f"{f.name}: {json.dumps(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg))
     )
-    subprocess.run(
+    run_checked(
         [
             sys.executable,
             "-m",
@@ -360,9 +338,6 @@ def test_export_to_hugging_face_llama_gives_the_same_logits(tmp_path: Path) -> N
             "--hf",
             str(tmp_path / "cfg.yaml"),
         ],
-        check=True,
-        capture_output=True,
-        env=worker_env(),
         timeout=120,
     )
     theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()

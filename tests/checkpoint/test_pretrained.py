@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WORKERS, run_checked, torchrun
+from harness import WORKERS, SpecRuns, run_checked, torchrun
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
 from parity_lib import initial_model as llama_initial_model
 from parity_lib import reference_run as llama_reference
@@ -120,10 +120,9 @@ def results(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
             "strategy": {"pretrained": {"model": str(root / "llama.safetensors")}},
         }  # fmt: skip
     )
+    got = SpecRuns(out)
     for world in (2, 4):
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(launches[world]))
-    got = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RUNS}
-    got["wrong-model"] = json.loads((out / "wrong-model.error.json").read_text())
+        got.launch(world, WORKERS / "parity_worker.py", launches[world])
     return got
 
 

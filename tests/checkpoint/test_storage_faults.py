@@ -3,11 +3,8 @@ async saves the error surfaces at the next step on every rank (not never, not on
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import reference_run
 
 LOSS_RTOL = 1e-5  # the parity bound (tests/test_parity.py)
@@ -26,9 +23,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict[str, di
         {"name": "async", "strategy": {"async_checkpoint": True}, "save_every": 3, "save_dir": str(out / "async"),
          "max_steps": 7, "fail_save": full, "expect_error": True},
     ]  # fmt: skip
-    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    got = {n: json.loads((out / f"{n}.error.json").read_text()) for n in ("sync", "async")}
-    got["sync-resumed"] = torch.load(out / "sync-resumed.pt", weights_only=False)
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "parity_worker.py", specs)
     return out, got
 
 

@@ -10,13 +10,11 @@ itself; ``third_party.HFModule``: the model's own loss from ``labels``), unchang
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
 import third_party
-import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 SEQ = 64  # Cuboid's Llama reads tokens[:, :-1]: 64 tokens; a transformers model reads all 64 of seq + 1 = 64
@@ -58,6 +56,7 @@ TABLE: dict[str, tuple[float, float]] = {}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
     out = tmp_path_factory.mktemp("cp")
+    got = SpecRuns(out)
     ckpt = [
         {"name": "cp2-save", "strategy": CP2, **SAVE, "save_dir": str(out / "cp2")},
         {"name": "dp2-from-cp2", "strategy": {}, **RESUME, "resume_from": str(out / "cp2" / "step=6.ckpt")},
@@ -76,11 +75,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             for name, (w, spec) in RUNS.items()
             if w == world
         ]
-        torchrun(
-            world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt + errors if world == 2 else []))
-        )
-    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
-    got.update({n: json.loads((out / f"{n}.error.json").read_text()) for n in ERRORS})
+        got.launch(world, WORKERS / "parity_worker.py", specs + (ckpt + errors if world == 2 else []))
     yield got
     print("\ncontext parallel parity (max relative loss error, max absolute parameter error):")
     for name, (rel, err) in TABLE.items():

@@ -22,7 +22,7 @@ import parity_lib
 import pytest
 import third_party
 import torch
-from harness import ROOT, WORKERS, run_checked, torchrun
+from harness import ROOT, WORKERS, SpecRuns, run_checked
 from parity_lib import GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEQ, parity_errors
 
 STEPS = 6  # of the epoch's 12
@@ -107,6 +107,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[dict[str, dict]]:
     out = tmp_path_factory.mktemp("ep")
+    got = SpecRuns(out)
     ckpt = [
         {"name": "ep2-save", "strategy": EP2, **SAVE, "save_dir": str(out / "ep2")},
         {"name": "dp2-from-ep2", "strategy": {}, **QWEN, "resume_from": str(out / "ep2" / "step=6.ckpt")},
@@ -133,8 +134,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Itera
             for name, (w, spec) in RUNS.items()
             if w == world
         ]
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs + (ckpt if world == 2 else [])))
-    got = {n: torch.load(out / f"{n}.pt", weights_only=False) for n in [*RUNS, *(s["name"] for s in ckpt)]}
+        got.launch(world, WORKERS / "parity_worker.py", specs + (ckpt if world == 2 else []))
     got["ep2-checkpoint"] = out / "ep2" / "step=6.ckpt"
     yield got
     print("\nexpert parallel parity (max relative loss error, max absolute parameter error):")

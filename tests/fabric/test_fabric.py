@@ -8,13 +8,12 @@ resumes in a Fabric loop of another layout and under the Trainer, and a Trainer'
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
 import third_party
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import ADAMW, GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEED, parity_errors
 
 STEPS = 6
@@ -55,7 +54,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
 
     first = specs(2)
     first[0].update(save_at=STEPS, save_to=str(fabric_ckpt))  # dp2 saves its state after the last step
-    torchrun(2, WORKERS / "fabric_worker.py", str(out), json.dumps(first))
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "fabric_worker.py", first)
     trainer = [
         # the Trainer resumes the loop's weights and AdamW state; a Fabric checkpoint holds no Trainer loops, so
         # Lightning's step count (and its sampler's epoch) start again: it trains the epoch's first 6 batches again
@@ -64,16 +64,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
         {"name": "trainer-save", "model": "hf_llama", "strategy": {"tensor_parallel": 2}, "clip": CLIP["hf_llama"],
          "max_steps": STEPS, "save_every": STEPS, "save_dir": str(trainer_dir)},
     ]  # fmt: skip
-    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(trainer))
+    got.launch(2, WORKERS / "parity_worker.py", trainer)
     resumed = [
         # the loop's own checkpoint at another layout; the Trainer's (its global_step read back as iter_num)
         {"name": "dp2xtp2-from-fabric-dp2", "strategy": {"tensor_parallel": 2}, "resume_from": str(fabric_ckpt)},
         {"name": "dp4-from-trainer-tp2", "strategy": {}, "resume_from": str(trainer_dir / f"step={STEPS}.ckpt")},
     ]
     resumed = [{**spec, "steps": 2 * STEPS, "clip": CLIP["hf_llama"]} for spec in resumed]
-    torchrun(4, WORKERS / "fabric_worker.py", str(out), json.dumps(specs(4) + resumed))
-    names = [*RUNS, "trainer-from-fabric", "trainer-save", *(spec["name"] for spec in resumed)]
-    yield {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+    got.launch(4, WORKERS / "fabric_worker.py", specs(4) + resumed)
+    yield got
     print("\nFabric loop parity (max relative loss error, max absolute parameter error):")
     for name, (rel, err) in TABLE.items():
         print(f"  {name:28s} {rel:.1e} {err:.1e}")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from harness import WORKERS, launch_and_watch, running, torchrun, torchrun_session
+from harness import WORKERS, SpecRuns, launch_and_watch, running, torchrun, torchrun_session
 from parity_lib import reference_run
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5  # the parity bounds (tests/test_parity.py)
@@ -37,8 +37,9 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
          "signal_at": {"rank": 1, "step": 5, "signal": "SIGUSR1"}},
         {"name": "resumed", "strategy": {}, "resume_from": f"auto:{root / 'checkpoints'}"},
     ]  # fmt: skip
-    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in specs}
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "parity_worker.py", specs)
+    return got
 
 
 @pytest.mark.slow

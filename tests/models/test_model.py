@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import python
 
 from cuboid.models import CONFIGS, TP_PLAN, TP_PLAN_NO_SP, Llama, LlamaConfig
 from cuboid.parallel.materialize import init_module
@@ -81,14 +82,11 @@ def test_models_hold_no_parallel_code() -> None:
 
 def test_model_size_configs_are_generated_from_the_code() -> None:
     """conf/model/*.yaml are written from cuboid.models.CONFIGS (one source of truth): they may not drift."""
-    import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "model_configs.py"), "--check"], capture_output=True, text=True
-    )
+    proc = python([sys.executable, str(root / "scripts" / "model_configs.py"), "--check"])
     assert proc.returncode == 0, proc.stderr
 
 

@@ -10,12 +10,11 @@ as data, and its blocks are found automatically. Meta-device init keeps what was
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
 
 third_party = pytest.importorskip("third_party")
@@ -84,12 +83,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         launches[world].append({"name": name, "model": "hf_qwen3", "strategy": strategy, "resume_from": str(saved)})
     for name, spec in FIT_RUNS.items():
         launches[2].append({"name": name, "model": "hf_llama", "meta_init": True, "strategy": {}, **spec})
+    got = SpecRuns(out)
     for world in sorted(launches):
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(launches[world]))
-    got = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in [*RUNS, *CKPT_RUNS]}
-    for name, spec in FIT_RUNS.items():
-        path = out / (f"{name}.error.json" if spec.get("expect_error") else f"{name}.pt")
-        got[name] = json.loads(path.read_text()) if spec.get("expect_error") else torch.load(path, weights_only=False)
+        got.launch(world, WORKERS / "parity_worker.py", launches[world])
     return got
 
 

@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import (
     ADAMW,
     CFG,
@@ -79,8 +77,9 @@ def _specs(out) -> list[dict]:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("dropin")
     specs = _specs(out)
-    torchrun(2, WORKERS / "dropin_worker.py", str(out), json.dumps(specs))
-    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in specs}
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "dropin_worker.py", specs)
+    return got
 
 
 @pytest.fixture(scope="module")

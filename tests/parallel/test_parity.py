@@ -9,12 +9,11 @@ fed the same batch and data-parallel ranks disjoint ones.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import CLIP, reference_run
 
 LOSS_RTOL = 1e-5
@@ -107,8 +106,8 @@ PARITY_TABLE: dict[str, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("parity")
+def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
+    runs = SpecRuns(tmp_path_factory.mktemp("parity"))
     for world in sorted({run.world for run in RUNS.values()}):
         specs = [
             {"name": name, "strategy": run.strategy, "accumulate": run.accumulate, "meta_init": run.meta_init}
@@ -117,10 +116,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         ]
         if world == 2:
             specs += PIPELINE_ERRORS
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RUNS}
-    loaded.update({s["name"]: json.loads((out / f"{s['name']}.error.json").read_text()) for s in PIPELINE_ERRORS})
-    return loaded
+        runs.launch(world, WORKERS / "parity_worker.py", specs)
+    return runs
 
 
 @pytest.fixture(scope="module")

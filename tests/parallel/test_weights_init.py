@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
+from harness import python
 from torch import nn
 
 from cuboid.models.llama import Llama, LlamaConfig
@@ -113,7 +113,8 @@ def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
         "r = dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 8, 8));"
         "print(r.world, r.total_elements, r.elements, r.params)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = python([sys.executable, "-c", code], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     world, total, elements, params = map(int, out.stdout.split())
     from cuboid.models.llama import CONFIGS
 
@@ -127,7 +128,7 @@ def test_a_plan_that_does_not_divide_fails_in_the_dry_run() -> None:
         "from cuboid.planning.dryrun import dry_run; from cuboid.parallel.mesh import Layout; from cuboid.models import CausalLM;"
         "dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 4, 16))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    out = python([sys.executable, "-c", code], timeout=300)
     assert out.returncode != 0 and "16" in out.stderr and "n_kv_heads" in out.stderr.replace("num_key_value", ""), (
         out.stderr[-2000:]
     )

@@ -19,12 +19,11 @@ reference computes for ``dp`` ranks.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns, python
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
 
 third_party = pytest.importorskip("third_party")
@@ -106,10 +105,10 @@ def results(out, pretrained_dir) -> dict[str, dict]:
             "max_steps": 1,
         }
     )
+    got = SpecRuns(out)
     for world in sorted(launches):
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(launches[world]), timeout=900)
-    names = [*RUNS, *SAVES, *RESUMES, "hf_llama-pp2xtp2-pretrained"]
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+        got.launch(world, WORKERS / "parity_worker.py", launches[world], timeout=900)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +205,6 @@ def test_pretrained_under_pp2_x_tp2_gives_from_pretrained_first_loss(results, pr
 def test_export_of_a_pipeline_checkpoint_loads_in_transformers(results, out) -> None:
     """python -m cuboid.export --config: a pp2 checkpoint becomes a transformers directory whose weights are the
     checkpoint's, under the model's own names."""
-    import subprocess
     import sys
 
     import transformers
@@ -216,7 +214,8 @@ def test_export_of_a_pipeline_checkpoint_loads_in_transformers(results, out) -> 
     ckpt, target = out / "hf_qwen3-pp2-save" / "step=6.ckpt", out / "qwen3-export"
     third_party.hf_config("hf_qwen3").save_pretrained(out / "qwen3-config")
     cmd = [sys.executable, "-m", "cuboid.export", str(ckpt), str(target), "--config", str(out / "qwen3-config")]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    done = python(cmd, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(target)
     saved = read_model_weights(ckpt)
     for name, tensor in model.state_dict().items():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import python
 
 from cuboid.planning.estimate import GIB, GPUS, Setup, Shape, memory, step_time
 from cuboid.planning.planner import CALIBRATION, TORCHTITAN, TORCHTITAN_CP, layouts, plan, validation_table
@@ -111,8 +112,7 @@ def test_command_line_prints_layouts_what_fits_and_a_recommendation() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tok/s/GPU" in out.stdout and "What fits (bf16-mixed):" in out.stdout
     assert "Recommended: CuboidStrategy(pipeline_parallel=" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "cuboid.layout", "modle=8b"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    bad = python([sys.executable, "-m", "cuboid.layout", "modle=8b"], timeout=120)
     assert bad.returncode != 0 and "unknown argument 'modle=8b'" in bad.stderr
 
 
@@ -222,7 +222,7 @@ def test_the_dry_run_splits_experts_over_ep_and_agrees_with_the_planners_bytes(t
               "vocab_size": 151936, "tie_word_embeddings": False}  # fmt: skip
     transformers.AutoConfig.for_model("qwen3_moe", **fields).save_pretrained(tmp_path)
     cmd = [sys.executable, "-m", "cuboid.dryrun", "--hf-config", str(tmp_path), "--dp", "8", "--ep", "8"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = python(cmd, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "experts over ep=8" in out.stdout and "experts: 16 of 128 per MoE layer" in out.stdout, out.stdout
     total_gib = float(re.search(r"total ([0-9.]+) GiB", out.stdout)[1])

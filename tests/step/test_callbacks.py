@@ -9,11 +9,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
 TP2, PP2 = {"tensor_parallel": 2}, {"pipeline_parallel": 2}
@@ -68,10 +66,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         {"name": "resume-epoch-end-qwen3", "model": "hf_qwen3", "strategy": {}, "epochs": 2,
          "resume_from": str(out / "qwen3" / "epoch=0-step=12.ckpt")}
     )  # fmt: skip
+    got = SpecRuns(out)
     for world, specs in launches.items():
-        torchrun(world, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    names = [s["name"] for specs in launches.values() for s in specs]
-    return {n: torch.load(out / f"{n}.pt", weights_only=False) for n in names}
+        got.launch(world, WORKERS / "parity_worker.py", specs)
+    return got
 
 
 @pytest.mark.slow

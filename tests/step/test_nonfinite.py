@@ -3,11 +3,9 @@ nonfinite="skip" drops that optimizer step on every rank together."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from harness import WORKERS, torchrun
+from harness import WORKERS, SpecRuns
 
 from cuboid import CuboidStrategy
 
@@ -20,9 +18,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         {"name": "skip", "module": "nan_loss", "strategy": {"nonfinite": "skip"}},
         {"name": "unguarded", "module": "nan_loss", "strategy": {}, "max_steps": 5},
     ]
-    torchrun(2, WORKERS / "parity_worker.py", str(out), json.dumps(specs))
-    got = {"raise": json.loads((out / "raise.error.json").read_text())}
-    got.update({n: torch.load(out / f"{n}.pt", weights_only=False) for n in ("skip", "unguarded")})
+    got = SpecRuns(out)
+    got.launch(2, WORKERS / "parity_worker.py", specs)
     return got
 
 

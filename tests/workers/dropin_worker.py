@@ -9,7 +9,6 @@ Rank 0 writes OUT_DIR/<name>.pt with the dp-mean loss per step and the final ful
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset  # noqa: E402
+from parity_lib import CLIP, GLOBAL_BATCH, SEED, LlamaModule, TokenDataset, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
 
@@ -154,7 +153,7 @@ def run(spec: dict, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for spec in json.loads(sys.argv[2]):
+    for spec in each_spec(sys.argv[2]):
         run(spec, out_dir)
 
 

@@ -14,7 +14,6 @@ averaged with ``fabric.all_reduce``, and ``fabric.save`` / ``fabric.load`` of ``
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import ADAMW, GLOBAL_BATCH, SEED  # noqa: E402
+from parity_lib import ADAMW, GLOBAL_BATCH, SEED, each_spec  # noqa: E402
 
 from cuboid.fabric import CuboidStrategy  # noqa: E402
 
@@ -98,7 +97,7 @@ def run(spec: dict, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for spec in json.loads(sys.argv[2]):
+    for spec in each_spec(sys.argv[2]):
         run(spec, out_dir)
 
 

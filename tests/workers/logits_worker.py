@@ -9,7 +9,6 @@ index: logits}, "grad_norm": the last step's global gradient norm}.
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -20,8 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from cuboid import CuboidStrategy
-from cuboid.models.llama import Llama, LlamaConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_lib import each_spec  # noqa: E402
+
+from cuboid import CuboidStrategy  # noqa: E402
+from cuboid.models.llama import Llama, LlamaConfig  # noqa: E402
 
 
 class Tokens(Dataset):
@@ -102,7 +104,7 @@ def run(spec: dict, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for spec in json.loads(sys.argv[2]):
+    for spec in each_spec(sys.argv[2]):
         run(spec, out_dir)
 
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, TokenDataset  # noqa: E402
+from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, TokenDataset, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
 from cuboid.planning.capacity import held_bytes  # noqa: E402
@@ -98,6 +98,18 @@ class SignalAt(L.Callback):
             import signal
 
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class SumOverDpShard(L.Callback):
+    """A mutation (``CUBOID_TEST_MUTATION=<spec>:sum_over_dp_shard``): the gradients FSDP reduced over
+    ``dp_shard`` are summed instead of averaged (multiplied by its size before clipping and the step), in that spec's
+    run only. (FSDP's own ``set_gradient_divide_factor(1.0)`` needs a pre-multiplied sum, which gloo lacks.)"""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        size = trainer.strategy.device_mesh["dp_shard"].size()
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(size)
 
 
 class NanLoss(LlamaModule):
@@ -236,6 +248,8 @@ def run(spec: dict, out_dir: Path) -> None:
     LAST_MODULE[:] = [module]
     facts = Facts(Path(spec["save_dir"]) / "last.ckpt" if spec.get("save_last") == "link" else None)
     callbacks: list[L.Callback] = [facts]
+    if __import__("os").environ.get("CUBOID_TEST_MUTATION") == f"{spec['name']}:sum_over_dp_shard":
+        callbacks.append(SumOverDpShard())  # a deliberate bug in one spec, to show its failure stays its own
     if spec.get("save_epoch_end"):  # ModelCheckpoint's default: one checkpoint at the end of every epoch
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -410,7 +424,7 @@ def run(spec: dict, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for spec in json.loads(sys.argv[2]):
+    for spec in each_spec(sys.argv[2]):
         (run_expecting_error if spec.get("expect_error") else run)(spec, out_dir)
 
 
