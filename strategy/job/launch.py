@@ -57,33 +57,63 @@ _AT_EXIT_REGISTERED = False
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits.
-
-    A process that exits with a live gloo group can abort in C++ teardown ("terminate called
-    without an active exception"); Lightning's child-process observer then sees a non-zero exit
-    and kills the whole job, the next Hydra sweep job included. A core dump of such an abort showed
-    a gloo worker thread destroying a finished all-gather (``AsyncAllgatherWork``) and taking the
-    GIL during interpreter finalization (the race of pytorch/pytorch#179291).
-    """
+    """Close the process groups (:func:`close_process_groups`) when the interpreter exits."""
     global _AT_EXIT_REGISTERED
     if _AT_EXIT_REGISTERED:
         return
     _AT_EXIT_REGISTERED = True
     import atexit
 
-    def _destroy() -> None:
-        import time
+    atexit.register(close_process_groups)
 
-        import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            # A gloo worker thread frees each finished collective's tensors after it signalled completion, which
-            # needs the GIL; if the interpreter is already finalizing it dies in C++ (std::terminate, SIGABRT).
-            # Release the GIL for a moment while Python is still whole, so those frees happen now.
-            time.sleep(0.1)
-            dist.destroy_process_group()
+def close_process_groups(timeout: float = 5.0) -> None:
+    """Destroy every process group and wait, at most ``timeout`` seconds, until no gloo thread is still working.
 
-    atexit.register(_destroy)
+    Why: a gloo worker thread drops its last reference to a finished collective just after completing it; when
+    Python made that collective's tensors, the drop frees Python objects and takes the GIL. If the interpreter has
+    begun to finalize by then, the thread is ended inside C++ and the process aborts ("terminate called without an
+    active exception", SIGABRT) although all its work was done (pytorch/pytorch#179291, #190489). Destroying the
+    groups ends their threads only for groups nothing else still holds (a mesh, a strategy or a closure keeps its
+    groups and their threads alive), so after it this waits, with the GIL released, until every gloo thread of the
+    process is asleep (none runnable) on two looks 20 ms apart.
+    """
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups only a reference cycle held are destroyed now (their threads joined without the GIL)
+    deadline, quiet = time.monotonic() + timeout, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        quiet = quiet + 1 if not _busy_gloo_threads() else 0
+
+
+def _busy_gloo_threads() -> list[str]:
+    """This process's gloo threads (``pt_gloo_*``, ``gloo_*``) that are running or runnable (state R)."""
+    import os
+
+    busy = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: nothing to look at
+        return busy
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if not name.startswith(("pt_gloo", "gloo")):
+                continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state == "R":
+            busy.append(name)
+    return busy
 
 
 def _hydra_job_command(local_rank: int) -> tuple[Sequence[str], str] | None:

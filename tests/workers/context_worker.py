@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cuboid.context.attention import cp_attention, local_positions, shard_sequence
+from cuboid.job.launch import close_process_groups
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,7 +47,7 @@ def main() -> None:
         merged = {name: max(w[name] for w in everyone) for name in worst}
         with open(sys.argv[1], "w") as f:
             json.dump(merged, f)
-    dist.destroy_process_group()
+    close_process_groups()  # destroyed, and no gloo thread still at work when the interpreter finalizes
 
 
 if __name__ == "__main__":

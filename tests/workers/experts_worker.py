@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cuboid.experts import dispatch, expert_block, experts_modules, shard_experts
+from cuboid.job.launch import close_process_groups
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 16, 8, 4, 2, 12
 
@@ -120,7 +121,7 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump(merged, f, indent=1)
     dist.barrier()  # no rank tears gloo down while another may still be in a collective
-    dist.destroy_process_group()
+    close_process_groups()  # destroyed, and no gloo thread still at work when the interpreter finalizes
 
 
 if __name__ == "__main__":

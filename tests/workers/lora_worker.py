@@ -9,7 +9,6 @@ of the trained model on a fixed batch (``PROBE``).
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -22,9 +21,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import GLOBAL_BATCH, SEED  # noqa: E402
+from parity_lib import GLOBAL_BATCH, SEED, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
+from cuboid.job.launch import close_process_groups  # noqa: E402
 
 FAMILY = "hf_llama_lora"
 
@@ -109,9 +109,9 @@ def run(spec: dict, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for spec in json.loads(sys.argv[2]):
+    for spec in each_spec(sys.argv[2]):
         run(spec, out_dir)
-    dist.destroy_process_group()
+    close_process_groups()  # destroyed, and no gloo thread still at work when the interpreter finalizes
 
 
 if __name__ == "__main__":
