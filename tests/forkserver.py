@@ -207,6 +207,9 @@ def serve(path: str) -> dict | None:
                         os.killpg(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
+                import shutil
+
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # its socket, shim and logs
                 os._exit(0)
             agents = [pid for pid in agents if _alive(pid)]
             continue
