@@ -49,6 +49,19 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def torchrun_cmd(nprocs: int, script: Path, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` on ``nprocs`` local processes, on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", str(script), *args]  # fmt: skip
+
+
+def faulthandler_report(out: str, width: int, tail: int = 6000) -> str:
+    """The first faulthandler report in ``out`` (``width`` characters of it) when it lies before the last ``tail``
+    characters a failure message shows anyway; else an empty string."""
+    crash = out.find("Fatal Python error")  # a worker's native crash (PYTHONFAULTHANDLER)
+    return f"\n...\n{out[crash : crash + width]}\n...\n" if 0 <= crash < len(out) - tail else ""
+
+
 def run_checked(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = ROOT, fresh: bool = False
 ) -> str:
@@ -62,9 +75,7 @@ def run_checked(
     proc = python(cmd, timeout=timeout, env=env, cwd=cwd, fresh=fresh)
     code, out = proc.returncode, proc.stdout + proc.stderr
     if code != 0:
-        crash = out.find("Fatal Python error")  # a worker's native crash: faulthandler's stacks (PYTHONFAULTHANDLER)
-        stacks = f"\n...\n{out[crash : crash + 4000]}\n...\n" if 0 <= crash < len(out) - 6000 else ""
-        pytest.fail(f"{' '.join(cmd[:6])} ... exited {code}:{stacks}\n{out[-6000:]}")
+        pytest.fail(f"{' '.join(cmd[:6])} ... exited {code}:{faulthandler_report(out, 4000)}\n{out[-6000:]}")
     return out
 
 
@@ -109,9 +120,8 @@ class Launch:
         how = (f"did not finish in its time limit (killed; {_codes(self.codes)})" if self.timed_out
                else f"exited with {_codes(self.codes)}")  # fmt: skip
         spec = self.running_spec()
-        crash = self.out.find("Fatal Python error")
-        stacks = f"\n...\n{self.out[crash : crash + 6000]}\n...\n" if 0 <= crash < len(self.out) - 6000 else ""
         where = f" while running spec {spec}" if spec else ""
+        stacks = faulthandler_report(self.out, 6000)
         return f"{self.script.name} on {self.nprocs} ranks {how}{where}:{stacks}\n{self.out[-6000:]}"
 
 
@@ -134,8 +144,7 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
     Cuboid imported once); ``CUBOID_TEST_LAUNCH=torchrun`` launches them with ``python -m torch.distributed.run``
     instead, each rank a fresh interpreter."""
     if os.environ.get("CUBOID_TEST_LAUNCH") == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(script), *args]  # fmt: skip
+        cmd = torchrun_cmd(nprocs, script, *args)
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -194,10 +203,6 @@ class SpecRuns(dict):
                 f"spec {name} left no result, though its launch on {ran.nprocs} ranks exited 0:\n{ran.out[-6000:]}"
             )
         pytest.fail(f"spec {name} left no result: {ran.message()}")
-
-    @property
-    def failed(self) -> list[Launch]:
-        return list({id(r): r for r in self.launches.values() if not r.ok}.values())
 
 
 class ForkServer:
@@ -301,7 +306,8 @@ class ForkServer:
 
 
 def kill_session(leader: int, grace: float = 3.0) -> None:
-    """SIGABRT to every process of ``leader``'s session (faulthandler prints their stacks), then SIGKILL."""
+    """SIGABRT to ``leader`` and every process below it (faulthandler prints their stacks), then, ``grace`` seconds
+    later, SIGKILL; ``grace=0`` sends SIGKILL only."""
     members = [leader, *descendants(leader)]
     if grace:
         for pid in members:
@@ -319,18 +325,14 @@ FORKSERVER = ForkServer()
 def torchrun_session(nprocs: int, script: Path, *args: str, timeout: float = 60) -> tuple[int, str]:
     """Like :func:`torchrun`, in a session of its own that is killed whole on timeout (no worker outlives the
     test); returns the exit code and the output instead of failing on a non-zero one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(script), *args]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        torchrun_cmd(nprocs, script, *args), cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun starts each worker in a session of its own
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_session(proc.pid, grace=0.0)  # by descent: torchrun starts each worker in a session of its own
         out, _ = proc.communicate()
         pytest.fail(f"{script.name} {' '.join(args)} did not finish in {timeout} s:\n{out[-6000:]}")
     return proc.returncode, out

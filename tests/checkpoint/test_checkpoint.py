@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WORKERS, SpecRuns, free_port, python, run_checked, torchrun, worker_env
+from harness import WORKERS, SpecRuns, python, run_checked, torchrun, torchrun_cmd, worker_env
 from parity_lib import reference_run
 
 from cuboid.checkpoint import CheckpointError, read_model_weights
@@ -195,17 +195,7 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Pa
             "stall_on_save": str(sentinel),
         }
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(WORKERS / "parity_worker.py"),
-        str(tmp_path),
-        json.dumps(spec),
-    ]
+    cmd = torchrun_cmd(2, WORKERS / "parity_worker.py", str(tmp_path), json.dumps(spec))
     proc = subprocess.Popen(
         cmd, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -11,10 +11,9 @@ under torchrun, as users run, so the interpreter's own finalization is what is t
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-from harness import ROOT, WORKERS, free_port, worker_env
+from harness import ROOT, WORKERS, torchrun_cmd, worker_env
 
 
 @pytest.mark.slow
@@ -24,16 +23,7 @@ def test_processes_exit_cleanly_right_after_collectives_whose_tensors_python_dro
     such launches aborted on the 2-core machine, so six pass by chance about once in 30; with it, none may."""
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node=2",
-                "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}",
-                str(WORKERS / "exit_worker.py"),
-                "cuboid",
-            ],
+            torchrun_cmd(2, WORKERS / "exit_worker.py", "cuboid"),
             cwd=ROOT,
             env=worker_env(),
             stdout=subprocess.PIPE,

@@ -4,15 +4,13 @@ with a message, and leave no process behind."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from harness import WORKERS, free_port, launch_and_watch, running
+from harness import WORKERS, launch_and_watch, running, torchrun_cmd
 
 
 def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tuple[int, str, float, dict[int, dict]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(WORKERS / "fault_worker.py"), str(tmp_path), scenario]  # fmt: skip
+    cmd = torchrun_cmd(nprocs, WORKERS / "fault_worker.py", str(tmp_path), scenario)
     code, out, closed, seen = launch_and_watch(cmd, timeout=timeout)
     assert not [pid for pid in seen if running(pid)], seen
     ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from harness import WORKERS, SpecRuns, launch_and_watch, running, torchrun, torchrun_session
+from harness import WORKERS, SpecRuns, launch_and_watch, running, torchrun, torchrun_cmd, torchrun_session
 from parity_lib import reference_run
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5  # the parity bounds (tests/test_parity.py)
@@ -68,13 +68,9 @@ def test_a_killed_rank_is_named_and_the_others_exit_within_10_s(tmp_path, victim
     and no process is left. Under torchrun (and srun) Cuboid's watchdog over the rendezvous store names it
     (Lightning's ModelParallelStrategy on gloo took 19 s, without a name); Lightning's own launcher, where rank 0
     starts rank 1, names a dead child itself, and the watchdog names a dead rank 0 (the store's host)."""
-    script = [str(WORKERS / "signal_worker.py"), str(tmp_path), str(victim), "SIGKILL"]
-    if launcher == "torchrun":
-        from harness import free_port
-
-        script = ["-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                  f"--master-port={free_port()}", *script]  # fmt: skip
-    code, out, closed, seen = launch_and_watch([sys.executable, *script], timeout=120)
+    script = [WORKERS / "signal_worker.py", str(tmp_path), str(victim), "SIGKILL"]
+    cmd = torchrun_cmd(2, *script) if launcher == "torchrun" else [sys.executable, *map(str, script)]
+    code, out, closed, seen = launch_and_watch(cmd, timeout=120)
     sent = json.loads((tmp_path / "signal.json").read_text())["time"]
     assert closed - sent < 10, (closed - sent, out[-3000:])
     names = (f"rank {victim} stopped responding", f"rank {victim} (it hosts the rendezvous store) stopped",
