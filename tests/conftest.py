@@ -64,6 +64,11 @@ def pytest_unconfigure(config) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Print the parity table (layout -> measured errors) when the parity tests ran, and any SLURM command a test
     reached."""
+    harness = sys.modules.get("harness")
+    if harness is not None and harness.FALLBACKS:
+        terminalreporter.section(f"{len(harness.FALLBACKS)} python runs not forked (a fresh interpreter each)")
+        for why, cmd in harness.FALLBACKS:
+            terminalreporter.write_line(f"{why}: {cmd}")
     calls = getattr(config, "_cuboid_slurm_calls", None)
     if calls:
         terminalreporter.section("SLURM commands reached during the suite (the run fails)")

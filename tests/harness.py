@@ -84,12 +84,26 @@ def python(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` for a command of the suite's interpreter (``cmd[0]``
     is ``sys.executable``), forked from the fork server unless ``fresh`` (see :func:`run_checked`); the
-    environment defaults to this process's."""
+    environment defaults to :func:`worker_env`'s (what the fork server started with: any other start-up variable
+    costs a fresh interpreter, about 3 times the fork's time and more on a slow machine)."""
+    env = worker_env() if env is None else env
     if not fresh and cmd[0] == sys.executable and os.environ.get("CUBOID_TEST_LAUNCH") != "torchrun":
-        ran = FORKSERVER.run(cmd[1:], dict(os.environ) if env is None else env, cwd, timeout)
+        ran = FORKSERVER.run(cmd[1:], env, cwd, timeout)
         if ran is not None:
             return subprocess.CompletedProcess(cmd, ran[0], ran[1], ran[2])
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def interpreter() -> str:
+    """A ``python`` for tests that start and signal their own processes (``subprocess.Popen([interpreter(), ...])``):
+    the fork server's shim, whose process is forked from the server (imports done) with the caller's environment,
+    working directory and standard streams; it forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to that
+    process and exits as it did. ``sys.executable`` under ``CUBOID_TEST_LAUNCH=torchrun``."""
+    if os.environ.get("CUBOID_TEST_LAUNCH") == "torchrun":
+        return sys.executable
+    if FORKSERVER.proc is None or FORKSERVER.proc.poll() is not None:
+        FORKSERVER.start()
+    return str(FORKSERVER.dir / "python")
 
 
 @dataclass
@@ -279,6 +293,7 @@ class ForkServer:
                 replies = conn.makefile("r")
                 first = json.loads(replies.readline())
                 if "fallback" in first:
+                    FALLBACKS.append((first["fallback"], " ".join(argv)[:160]))
                     return None
                 try:
                     code = json.loads(replies.readline())["code"]
@@ -320,6 +335,9 @@ def kill_session(leader: int, grace: float = 3.0) -> None:
 
 
 FORKSERVER = ForkServer()
+# (why, command) of each `python ...` run the fork server could not fork, so it ran a fresh interpreter: printed at the
+# end of the session (tests/conftest.py), since each costs the imports the server exists to save.
+FALLBACKS: list[tuple[str, str]] = []
 
 
 def torchrun_session(nprocs: int, script: Path, *args: str, timeout: float = 60) -> tuple[int, str]:

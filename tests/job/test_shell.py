@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, free_port, run_checked, worker_env
+from harness import ROOT, free_port, interpreter, python, run_checked, worker_env
 from wandb_records import config, history, read_records
 
 from cuboid.data import TokenDataModule, prepare_tokens
@@ -288,9 +288,7 @@ def test_slurm_task_count_that_does_not_match_nodes_fails_clearly(tmp_path: Path
         "logger=none",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = subprocess.run(
-        args, cwd=tmp_path, env=slurm_env(0, ntasks=3, port=free_port()), capture_output=True, text=True, timeout=120
-    )
+    proc = python(args, timeout=120, env=slurm_env(0, ntasks=3, port=free_port()), cwd=tmp_path)
     assert proc.returncode != 0
     assert "SLURM runs 3 tasks (SLURM_NTASKS) but the Trainer expects num_nodes (2) x devices (2) = 4" in proc.stderr
 
@@ -308,13 +306,8 @@ def test_slurm_task_count_that_does_not_match_nodes_fails_clearly(tmp_path: Path
 def test_bad_input_fails_with_one_clear_line(tmp_path: Path, overrides: list[str], message: str) -> None:
     (tmp_path / "EMPTY").touch()
     overrides = [o.replace("EMPTY", str(tmp_path / "EMPTY")) for o in overrides]
-    proc = subprocess.run(
-        [sys.executable, TRAIN, *SMALL[:1], *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = python(
+        [sys.executable, TRAIN, *SMALL[:1], *overrides, f"hydra.run.dir={tmp_path / 'run'}"], 120, cwd=tmp_path
     )
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
@@ -372,7 +365,7 @@ def test_processes_preparing_the_same_token_file_at_once_all_succeed(tmp_path: P
     )
     ready = [tmp_path / f"ready{i}" for i in range(4)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(r)], env=worker_env(), stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([interpreter(), "-c", code, str(r)], env=worker_env(), stderr=subprocess.PIPE, text=True)
         for r in ready
     ]
     deadline = time.time() + 120
@@ -430,7 +423,7 @@ def test_slurm_job_preempted_through_one_task_resumes_when_requeued(tmp_path: Pa
 
     def launch(run: Path) -> list[subprocess.Popen]:
         port = free_port()
-        args = [sys.executable, TRAIN, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *steps, f"hydra.run.dir={run}"]
+        args = [interpreter(), TRAIN, f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *steps, f"hydra.run.dir={run}"]
         env = [{**slurm_env(r, nodes=1, per_node=2, port=port), "CUBOID_SCONTROL": str(recorder)} for r in range(2)]
         return [subprocess.Popen(args, cwd=tmp_path, env=env[r], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True) for r in range(2)]  # fmt: skip
