@@ -65,6 +65,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Print the parity table (layout -> measured errors) when the parity tests ran, and any SLURM command a test
     reached."""
     harness = sys.modules.get("harness")
+    if harness is not None and harness.SPEC_TIMES:
+        total = sum(t for t, *_ in harness.SPEC_TIMES)
+        terminalreporter.section(f"slowest specs ({len(harness.SPEC_TIMES)} specs, {total:.0f} s on rank 0 in all)")
+        for seconds, ranks, name, script in sorted(harness.SPEC_TIMES, reverse=True)[:25]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {ranks} ranks  {name}  ({script})")
     if harness is not None and harness.FALLBACKS:
         terminalreporter.section(f"{len(harness.FALLBACKS)} python runs not forked (a fresh interpreter each)")
         for why, cmd in harness.FALLBACKS:

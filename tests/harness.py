@@ -193,6 +193,8 @@ class SpecRuns(dict):
         import json
 
         ran = launch(nprocs, script, str(self.out), json.dumps(specs), *extra, timeout=timeout)
+        for name, seconds in re.findall(r"cuboid-test: spec (\S+) done in ([0-9.]+) s", ran.out):
+            SPEC_TIMES.append((float(seconds), nprocs, name, script.name))
         for spec in specs:
             self.launches[spec["name"]] = ran
             self.load(spec["name"])
@@ -335,6 +337,9 @@ def kill_session(leader: int, grace: float = 3.0) -> None:
 
 
 FORKSERVER = ForkServer()
+# (seconds, ranks, spec, worker script) of every spec SpecRuns launched: the slowest are printed at the end of the
+# session (tests/conftest.py), where the suite's time goes inside its module fixtures.
+SPEC_TIMES: list[tuple[float, int, str, str]] = []
 # (why, command) of each `python ...` run the fork server could not fork, so it ran a fresh interpreter: printed at the
 # end of the session (tests/conftest.py), since each costs the imports the server exists to save.
 FALLBACKS: list[tuple[str, str]] = []

@@ -94,17 +94,19 @@ class LlamaModule(L.LightningModule):
 
 def each_spec(specs_json: str):
     """A worker's specs, one at a time; rank 0 prints the marks by which ``tests/harness.py`` names the spec a
-    crashed launch was running (``Launch.running_spec``)."""
+    crashed launch was running (``Launch.running_spec``) and times each spec (the session's slowest specs table)."""
     import json
     import os
+    import time
 
     first = os.environ.get("RANK", "0") == "0"
     for spec in json.loads(specs_json):
         if first:
             print(f"cuboid-test: spec {spec['name']} starts", flush=True)
+        start = time.monotonic()
         yield spec
         if first:
-            print(f"cuboid-test: spec {spec['name']} done", flush=True)
+            print(f"cuboid-test: spec {spec['name']} done in {time.monotonic() - start:.1f} s", flush=True)
 
 
 def content_key(value: object) -> str:
