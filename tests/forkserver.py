@@ -81,6 +81,14 @@ def preload() -> None:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # fork copies only the calling thread: a pool started at import would be broken in the ranks
         raise RuntimeError(f"the fork server holds {threads} threads after its imports; it can only fork from one")
+    # Every object the imports made moves to the permanent generation: a rank's garbage collections (automatic
+    # ones, close_process_groups' gc.collect, finish's scan) then never walk them, so they neither cost the walk
+    # (about 470,000 objects) nor write to the pages the ranks share with the server (copy-on-write). An empty
+    # 8-rank launch (init gloo, all-reduce, close): 2.5 s -> 0.55 s.
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def rank_env(request: dict, rank: int, run_id: str) -> dict[str, str]:
