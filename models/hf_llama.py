@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from cuboid.models.llama import LlamaConfig
+    from cuboid.models.config import LlamaConfig
 
 
 # Hugging Face ``LlamaForCausalLM`` parameter names, as (our suffix, theirs) per block and outside. The weights
