@@ -19,10 +19,10 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from cuboid.compat import should_accumulate
-from cuboid.experts.load import ExpertLoad
-from cuboid.parallel.mesh import dim_groups
-from cuboid.planning.ledger import CommLedger
-from cuboid.step.grad_norm import global_grad_norm
+from cuboid.experts import ExpertLoad
+from cuboid.parallel import dim_groups
+from cuboid.planning import CommLedger
+from cuboid.step import global_grad_norm
 
 __all__ = ["CommLedger", "CuboidMonitor", "device_peak_flops", "peak_flops", "peak_memory_bytes"]
 
@@ -129,7 +129,8 @@ class CuboidMonitor(L.Callback):
         if not self._log_now(trainer):
             return
         if not trainer.gradient_clip_val:  # no clipping: measure the norm here (all ranks take part)
-            mesh = getattr(trainer.strategy, "_device_mesh", None)
+            dims = getattr(trainer.strategy, "dims", None)  # Cuboid's; Lightning's ModelParallelStrategy: its mesh
+            mesh = dims.mesh if dims is not None and dims.built else getattr(trainer.strategy, "_device_mesh", None)
             flattened = getattr(trainer.precision_plugin, "flattened_dims", {})
             elsewhere = getattr(trainer.precision_plugin, "counted_elsewhere", ())
             self._pending_norm = global_grad_norm(pl_module.parameters(), mesh, flattened, elsewhere)

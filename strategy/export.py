@@ -1,7 +1,8 @@
 """``python -m cuboid.export``: a checkpoint's weights to safetensors or a Hugging Face directory
 (:mod:`cuboid.checkpoint.export`)."""
 
-from cuboid.checkpoint.export import main, read_model_weights
+from cuboid.checkpoint import export_main as main
+from cuboid.checkpoint import read_model_weights
 
 __all__ = ["main", "read_model_weights"]
 

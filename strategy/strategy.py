@@ -18,30 +18,31 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from cuboid import compat
-from cuboid.checkpoint import Checkpointer
-from cuboid.checkpoint import pretrained as pretrained_weights
-from cuboid.checkpoint.hooks import CheckpointHooks
-from cuboid.context import ContextParallel
-from cuboid.experts.balance import LoadBalancing
-from cuboid.job import JobGuard
-from cuboid.job import launch as job_launch
-from cuboid.parallel import BufferBroadcast, build, plans, sync_batchnorm
-from cuboid.parallel.mesh import FLATTENED, MESH_NAMES, Layout, check_reshard_after_forward, submesh
-from cuboid.parallel.mesh_strategy import MeshStrategy
-from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
-from cuboid.parallel.styles import canonical_style
+from cuboid.base import MeshStrategy
+from cuboid.checkpoint import Checkpointer, CheckpointHooks
+from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
+from cuboid.parallel import (
+    FLATTENED,
+    MESH_NAMES,
+    ACMode,
+    BufferBroadcast,
+    check_no_fsdp1,
+    check_reshard_after_forward,
+    find_blocks,
+    is_parallelized_by_user,
+    resolve_plan,
+    sync_batchnorm,
+    with_loss_parallel,
+)
 from cuboid.pipeline import Pipelining, batch_and_index
-from cuboid.planning import capacity
-from cuboid.step import loss_parallel
-from cuboid.step.nonfinite import NonFiniteGuard
-from cuboid.step.precision import CuboidPrecision
+from cuboid.planning import Estimate, check_fits, device_bytes, estimate_fit, refuse_if_too_big
+from cuboid.step import CuboidPrecision, LossParallel, NonFiniteGuard, plain_output
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -156,34 +157,19 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.init_build(locals(), reshard_after_forward)  # resolved by the pipeline below
         pipelining_args = (pipeline_schedule, microbatches, virtual_stages, pipeline_split, reshard_after_forward)
-        self.pipelining = Pipelining(pipeline_parallel, *pipelining_args, activation_checkpointing)
-        check_ac_mode(activation_checkpointing)
-        for pattern, style in (tensor_parallel_plan or {}).items():
-            canonical_style(style, pattern)
-        sizes = (pipeline_parallel, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
-        self.layout = Layout(*sizes, ep=expert_parallel)
-        self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
-        self.balance = LoadBalancing(load_balancing)
-        self._dp_shard_auto = data_parallel_shard == "auto"
-        self.fit_estimate: capacity.Estimate | None = None  # parameter bytes per rank, estimated before sharding
-        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
-        self.block_container = block_container
-        self.activation_checkpointing = activation_checkpointing
+        self.pipelining = Pipelining(self.dims, *pipelining_args, activation_checkpointing)
         self.reshard_after_forward = self.pipelining.reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.compile = compile
-        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
+        self._dp_shard_auto = data_parallel_shard == "auto"
+        self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
-        self.loss_parallel = loss_parallel.LossParallel()  # on when the plan keeps logits vocabulary-sharded
+        self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
-        self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1
-        self._experts: ExpertsLayout | None = None
         self.buffers = BufferBroadcast(broadcast_buffers)
 
     @override
@@ -192,30 +178,26 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
         # Check the layout in the launching process, before any child process or process group exists.
         check_reshard_after_forward(self.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
-        job_launch.check_external_launch(env, nodes, procs)  # before root_device
-        job_launch.check_before_launch(env, nodes, procs, self.cpu_offload, self.root_device)
-        job_launch.forget_previous_launch()
+        check_external_launch(env, nodes, procs)  # before root_device
+        check_before_launch(env, nodes, procs, self.cpu_offload, self.root_device)
+        forget_previous_launch()
         if not env.creates_processes_externally:
-            self._launcher = job_launch.CuboidLauncher(env, procs, nodes)
+            self._launcher = CuboidLauncher(env, procs, nodes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        layout = self.layout.resolve(self.world_size)
-        backend = self._process_group_backend or compat.default_process_group_backend(self.root_device)
-        self._process_group_backend = backend
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self.faults.before_process_group(getattr(trainer, "default_root_dir", None) or os.getcwd(), backend)
-        job_launch.start_process_group(self.cluster_environment, backend, self.root_device, self._timeout)
-        self.faults.after_process_group(self.global_rank, self.world_size)
-        self.build_mesh(layout)
-        self.faults.after_mesh(self._device_mesh, MESH_NAMES, self.global_rank)
-        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self._device_mesh, FLATTENED)
+        root_dir = getattr(trainer, "default_root_dir", None) or os.getcwd()
+        layout = self.start_mesh(
+            before_group=lambda backend: self.faults.before_process_group(root_dir, backend),
+            after_group=lambda: self.faults.after_process_group(self.global_rank, self.world_size),
+        )
+        self.faults.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
+        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
-        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
+        compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
 
     @override
@@ -241,10 +223,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
-            sources = [] if self._pretrained_loaded else pretrained_weights.plan_all(lm, self.pretrained)
-            compat.materialize_distributed_module(lm, self.root_device)
-            for source in sources:
-                pretrained_weights.load(lm, source)
+            self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.pretrained)
         else:
             self._parallelize(lm)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
@@ -260,54 +239,41 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.setup_optimizers(trainer)
             device_bytes = self._device_capacity()
             if device_bytes is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
-                capacity.check_fits(lm, self.optimizers, device_bytes, f"The layout {self.layout.describe()}")
+                check_fits(lm, self.optimizers, device_bytes, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _device_capacity(self) -> float | None:
-        return capacity.device_bytes(self.root_device, self.cpu_offload)
+        return device_bytes(self.root_device, self.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
         parallelizes the whole module. Weights are prepared before either and filled once sharded."""
-        matched = plans.resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
-        matched, self.loss_parallel.enabled = loss_parallel.under_layout(matched, self.layout.pp, self.layout.cp)
+        matched = resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
+        matched, self.loss_parallel.enabled = with_loss_parallel(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled
         if pipelined:  # positions in a Lightning optimizer state follow the whole model's order
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
-        blocks = plans.find_blocks(lm, self.block_container)
-        self.fit_estimate = capacity.estimate(lm, self.layout, matched, blocks, self.pipelining)
+        blocks = find_blocks(lm, self.block_container)
+        self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
         device_bytes = self._device_capacity()
         if device_bytes is not None:  # parameters and gradients alone cannot fit: refused before any allocation
-            capacity.refuse_if_too_big(self.fit_estimate, self.layout, device_bytes, self._dp_shard_auto)
-        weights = build.prepare_weights(lm, self.pretrained, self.root_device, pipelined=pipelined)
-        settings = build.ParallelSettings.on(
-            mesh,
-            mp_policy=self.precision_plugin.mixed_precision_policy,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload,
-            experts=self._experts,
-        )
+            refuse_if_too_big(self.fit_estimate, self.layout, device_bytes, self._dp_shard_auto)
+        build_stages = None
         if pipelined:
-            stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
-        else:
-            build.parallelize_plain(lm, blocks, matched, settings)
-        build.finish_weights(lm, weights, blocks, self.root_device, submesh(mesh, "dp"), self.cpu_offload)
+
+            def build_stages(settings: Any) -> Any:
+                return self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
+
+        mp_policy = self.precision_plugin.mixed_precision_policy
+        stages = self.build_model(lm, blocks, matched, mp_policy, self.pretrained, build_stages)
         if pipelined:
             self.pipelining.build_schedule(stages, mesh, self.root_device)
-        if self.context.enabled:  # under pp, the runner cuts the schedule's inputs
-            self.context.setup(lm, [name for name, _ in blocks], mesh["cp"].get_group(), self.pipelining.runner)
-        self.balance.setup(lm, blocks, *self.token_groups(), not pipelined, self.context.step_padding)
+        self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
         self.precision_plugin.counted_elsewhere = self.pipelining.counted_elsewhere
-        rank_zero_info(
-            f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
-            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
-            + (f", {self.pipelining.describe()}" if pipelined else "")
-        )
+        self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
 
     @override
     def model_to_device(self) -> None:
@@ -326,7 +292,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         self.buffers.sync()
         with self.context.step(), self.balance.step(), self.loss_parallel.step(self.lightning_module):
-            return loss_parallel.plain_output(step(*args, **kwargs))
+            return plain_output(step(*args, **kwargs))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -94,7 +94,7 @@ def _too_big_for_the_device() -> None:
     cfg = LlamaConfig(vocab_size=32000, dim=4096, n_layers=14, n_heads=32, n_kv_heads=8, ffn_dim=14336)
     lm = _Wrapper(cfg)
     layout = Layout(dp_shard="auto").resolve(8)
-    est = estimate(lm, layout, resolve_plan(lm, None, 1), find_blocks(lm), Pipelining(1))
+    est = estimate(lm, layout, resolve_plan(lm, None, 1), find_blocks(lm), Pipelining(Layout()))
     refuse_if_too_big(est, layout, 2 * 2**30, auto=True)
 
 
@@ -193,7 +193,7 @@ def _cp_step(model: torch.nn.Module, *args: object, **kwargs: object) -> None:
     from cuboid.context import ContextParallel
     from cuboid.context.hf import use_cp_attention
 
-    cp = ContextParallel(2)
+    cp = ContextParallel(Layout(cp=2))
     cp._transformers = use_cp_attention(model)
     cp.positions_keyword = "position_ids"
     model.register_forward_pre_hook(cp._shard_inputs, with_kwargs=True)

@@ -1,6 +1,6 @@
 """The house keeps its promises: every public name and command users had still works, and the package is laid out
 as docs/architecture.md says (no module over 400 lines, no flat folder of more than 10 modules, imports that run
-downward between the wings, an ``__all__`` in every wing)."""
+downward between the wings and through each wing's ``__init__``, no import circle, an ``__all__`` in every wing)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ FLOORS = {
     "pipeline": 3,
     "job": 3,
     "planning": 4,
+    "base": 4,  # what both doors share (strategy/base.py, beside strategy.py)
     "fabric": 5,  # Fabric's door, beside strategy.py (the Trainer's): it uses the wings as the Trainer glue does
 }
 WINGS = ("adapters", "parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning", "fabric")
@@ -181,3 +182,64 @@ def test_wings_import_only_downward(wing: str) -> None:
 def test_every_wing_names_its_public_api(wing: str) -> None:
     module = importlib.import_module(f"cuboid.{wing}")
     assert module.__all__ and all(hasattr(module, name) for name in module.__all__)
+
+
+def _cuboid_modules() -> dict[str, Path]:
+    """Every module of the ``cuboid`` namespace by its dotted name (``strategy/`` is ``cuboid``, ``models/`` is
+    ``cuboid.models``)."""
+    found = {}
+    for top, folder in (("cuboid", PACKAGE), ("cuboid.models", ROOT / "models")):
+        for path in _modules(folder):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([top, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The ``cuboid`` modules ``name`` imports anywhere in its file (at the top, inside functions, under
+    ``TYPE_CHECKING``): ``from cuboid.x import y`` counts as ``cuboid.x.y`` where that is a module, else ``cuboid.x``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                         for a in node.names)  # fmt: skip
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def test_no_import_circle() -> None:
+    """No module reaches itself through its imports (function-level and type-checking imports included)."""
+    known = _cuboid_modules()
+    graph = {name: _imports(name, path, known) for name, path in known.items()}
+    circles = []
+    for start in graph:  # a depth-first walk from each module back to itself
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*trail, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+    assert not circles, sorted(set(circles))[:10]
+
+
+def test_imports_between_wings_go_through_the_wings_init() -> None:
+    """Another wing is imported by the names its ``__init__`` exports (``from cuboid.parallel import Layout``), never
+    from inside it (``from cuboid.parallel.mesh import ...``, or a module of it as a namespace)."""
+    around = []
+    for path in _modules(PACKAGE):
+        rel = path.relative_to(PACKAGE)
+        own = rel.parts[0] if len(rel.parts) > 1 else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cuboid.")):
+                continue
+            wing = node.module.split(".")[1]
+            if wing not in WINGS or wing == own:
+                continue
+            inside = node.module.count(".") > 1 or any((PACKAGE / wing / f"{a.name}.py").exists() for a in node.names)
+            if inside:
+                around.append(f"{rel}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+    assert not around, around

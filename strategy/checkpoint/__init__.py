@@ -3,21 +3,29 @@ directories) behind one interface, the checkpointer that saves, loads, links and
 pretrained weights read per shard, and the export to safetensors or a Hugging Face directory."""
 
 from cuboid.checkpoint.checkpointer import FORMATS, READERS, Checkpointer
+from cuboid.checkpoint.export import main as export_main
 from cuboid.checkpoint.export import read_model_weights
 from cuboid.checkpoint.format import CheckpointError, CheckpointFormat, CheckpointReader, LoadRequest, SaveRequest
+from cuboid.checkpoint.hooks import CheckpointHooks
 from cuboid.checkpoint.pretrained import PretrainedError
+from cuboid.checkpoint.pretrained import load as load_pretrained
+from cuboid.checkpoint.pretrained import plan_all as plan_pretrained
 from cuboid.checkpoint.resume import latest_checkpoint
 
 __all__ = [
-    "FORMATS",
-    "READERS",
     "CheckpointError",
     "CheckpointFormat",
+    "CheckpointHooks",
     "CheckpointReader",
     "Checkpointer",
+    "FORMATS",
     "LoadRequest",
     "PretrainedError",
+    "READERS",
     "SaveRequest",
+    "export_main",
     "latest_checkpoint",
+    "load_pretrained",
+    "plan_pretrained",
     "read_model_weights",
 ]

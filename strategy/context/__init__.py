@@ -11,11 +11,14 @@ from cuboid.context.attention import (
     shard_sequence,
     unshard_sequence,
 )
+from cuboid.context.current import KEY_PADDING, active
 from cuboid.context.runtime import ContextParallel, check_composes, positions_keyword
 
 __all__ = [
     "ContextParallel",
     "ContextParallelError",
+    "KEY_PADDING",
+    "active",
     "check_composes",
     "chunk_ids",
     "cp_attention",

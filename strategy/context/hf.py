@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cuboid.context.attention import ContextParallelError
-from cuboid.context.runtime import KEY_PADDING, active
+from cuboid.context.current import KEY_PADDING, active
 
 NAME = "cuboid_cp"
 # Implementations whose result is plain softmax attention, which "cuboid_cp" computes exactly.

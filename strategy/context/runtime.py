@@ -31,30 +31,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from cuboid.context import hf
 from cuboid.context.attention import ContextParallelError, cp_attention, gather_tokens, local_positions
+from cuboid.context.current import KEY_PADDING, active, running
 
 _LOSSES: tuple[Callable[..., torch.Tensor], ...] = (F.cross_entropy, F.nll_loss)
-KEY_PADDING = "cuboid_key_padding"  # the keyword under which a transformers model carries the whole padding mask
-_ACTIVE: list[ContextParallel] = []  # the context-parallel runtime of the step now running (transformers' hook)
-
-
-def active() -> ContextParallel | None:
-    """The :class:`ContextParallel` whose step is running, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class ContextParallel:
-    """The context-parallel side of one strategy: ``size`` cp ranks share every sequence (refused, by
+    """The context-parallel side of one strategy: ``dims.cp`` ranks share every sequence (refused, by
     :func:`check_composes`, with what it does not compose with yet).
 
     ``setup`` after the model is parallelized; ``step()`` around every training, validation and test step (and,
     under pp, the schedule). Activation checkpointing's recompute in backward re-enters the forward's interception
     by itself (:func:`cuboid.parallel.parallelize.apply_ac`)."""
 
-    def __init__(self, size: int = 1, compile: bool = False, activation_checkpointing: str | None = None) -> None:
-        check_composes(size, compile, activation_checkpointing)
-        self.size = size
-        self.enabled = size > 1
+    def __init__(self, dims: Any, compile: bool = False, activation_checkpointing: str | None = None) -> None:
+        check_composes(dims.cp, compile, activation_checkpointing)
+        self.dims = dims  # the run's one record of its degrees (ParallelDims, or a Layout): cp is read from it
         self.group: dist.ProcessGroup | None = None
         self.rank = 0
         self.positions_keyword = "position_ids"
@@ -65,6 +59,15 @@ class ContextParallel:
         self._checked = False
         self._inside = False
         self._transformers = False  # a transformers model: the padding mask rides along as KEY_PADDING
+
+    @property
+    def size(self) -> int:
+        """The ranks each sequence is split over (``cp``)."""
+        return self.dims.cp
+
+    @property
+    def enabled(self) -> bool:
+        return self.dims.cp > 1
 
     def setup(
         self,
@@ -78,8 +81,6 @@ class ContextParallel:
         whose forward takes the token ids; ``root`` when given, as under Fabric, where the module set up is the
         model) and run its attention across ``group``. ``runner``: under pp, the pipeline's runner, which calls the
         stages and cuts their inputs with :meth:`pipeline_inputs` (no hook)."""
-        from cuboid.context import hf
-
         if not blocks:
             raise ContextParallelError(
                 f"context_parallel={self.size}: Cuboid found no repeated blocks in {type(lm).__name__}, so no model "
@@ -100,12 +101,8 @@ class ContextParallel:
         if not self.enabled:
             yield
             return
-        _ACTIVE.append(self)
-        try:
-            with _Interceptor(self):
-                yield
-        finally:
-            _ACTIVE.pop()
+        with running(self), _Interceptor(self):
+            yield
         if self._seq is not None and not self._checked:
             self._checked = True
             if not self._attention_calls:

@@ -2,7 +2,10 @@
 (token, expert) pair sent to the rank holding its expert and back (all-to-alls with uneven splits), the router
 left as the model defines it, its load-balancing loss summed over the step's ranks (``balance``)."""
 
-from cuboid.experts.balance import LoadBalancing
+from cuboid.experts.balance import LoadBalancing, check_router_loss_model, router_loss_model
+from cuboid.experts.balance import active as active_balancing
+from cuboid.experts.balance import loss_of as balancing_loss
+from cuboid.experts.balance import statistics as balancing_statistics
 from cuboid.experts.dispatch import ExpertParallelError, Routed, combine, dispatch, expert_block
 from cuboid.experts.hf import distribute_experts, ep_experts_forward, experts_modules, local_experts, shard_experts
 from cuboid.experts.load import ExpertLoad, load_figures
@@ -12,6 +15,10 @@ __all__ = [
     "ExpertParallelError",
     "LoadBalancing",
     "Routed",
+    "active_balancing",
+    "balancing_loss",
+    "balancing_statistics",
+    "check_router_loss_model",
     "combine",
     "dispatch",
     "distribute_experts",
@@ -20,5 +27,6 @@ __all__ = [
     "experts_modules",
     "load_figures",
     "local_experts",
+    "router_loss_model",
     "shard_experts",
 ]

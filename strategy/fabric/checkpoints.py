@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from cuboid.checkpoint.checkpointer import Checkpointer
-from cuboid.checkpoint.format import CheckpointError
+from cuboid.checkpoint import Checkpointer, CheckpointError
 
 FABRIC_KEY = "fabric"  # under meta["cuboid"]: which entries of the state dict were the model and the optimizers
 

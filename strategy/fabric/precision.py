@@ -16,7 +16,7 @@ from typing import Any
 from lightning.fabric.plugins.precision import Precision
 from typing_extensions import override
 
-from cuboid.step.precision import PrecisionPolicy
+from cuboid.step import PrecisionPolicy
 
 
 class FabricPrecision(PrecisionPolicy, Precision):

@@ -23,29 +23,29 @@ from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from cuboid import compat
+from cuboid.base import MeshCollectives, own_precision
 from cuboid.checkpoint import Checkpointer
-from cuboid.checkpoint import pretrained as pretrained_weights
-from cuboid.context import ContextParallel
-from cuboid.experts.balance import LoadBalancing
 from cuboid.fabric import checkpoints as fabric_checkpoint
 from cuboid.fabric.optimizers import NoGradientSync, check_optimizer, optimizers_follow
 from cuboid.fabric.precision import FabricPrecision
-from cuboid.job import launch as job_launch
-from cuboid.parallel import build, plans
-from cuboid.parallel.mesh import FLATTENED, Layout, check_reshard_after_forward, submesh
-from cuboid.parallel.mesh_strategy import MeshCollectives
-from cuboid.parallel.parallelize import ACMode, ExpertsLayout, check_ac_mode, check_no_fsdp1, is_parallelized_by_user
-from cuboid.parallel.styles import canonical_style
+from cuboid.parallel import (
+    FLATTENED,
+    ACMode,
+    check_no_fsdp1,
+    check_reshard_after_forward,
+    find_blocks,
+    is_parallelized_by_user,
+    resolve_plan,
+    without_loss_parallel,
+)
 from cuboid.pipeline import PipelineError
-from cuboid.step import loss_parallel
-from cuboid.step.grad_norm import clip_grad_norm_
+from cuboid.step import clip_grad_norm_
 
 
 class CuboidStrategy(MeshCollectives, ParallelStrategy):
@@ -108,34 +108,13 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        check_ac_mode(activation_checkpointing)
-        for pattern, style in (tensor_parallel_plan or {}).items():
-            canonical_style(style, pattern)
-        sizes = (1, data_parallel_replicate, data_parallel_shard, tensor_parallel, context_parallel)
-        self.layout = Layout(*sizes, ep=expert_parallel)
-        self.context = ContextParallel(context_parallel, compile, activation_checkpointing)
-        self.balance = LoadBalancing(load_balancing)
-        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
-        self.block_container = block_container
-        self.activation_checkpointing = activation_checkpointing
-        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.compile = compile
-        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
+        self.init_build(locals(), True if reshard_after_forward is None else reshard_after_forward)
         self.checkpointer = Checkpointer(checkpoint_format, False, barrier=self.barrier)
-        self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._num_nodes = 1
-        self._experts: ExpertsLayout | None = None
         self._module: nn.Module | None = None
         self._backward_sync_control = NoGradientSync()
 
     # ------------------------------------------------------------------ Fabric's plumbing
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return self.mesh_root_device()
-
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
@@ -146,13 +125,6 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """``fabric.setup_dataloaders`` splits data over the data-parallel ranks only: tp and cp peers read the same
-        batch."""
-        return self.dp_sampler_kwargs()
-
-    @property
-    @override
     def precision(self) -> FabricPrecision:
         if not isinstance(self._precision, FabricPrecision):
             self._precision = FabricPrecision(str(getattr(self._precision, "precision", "32-true")))
@@ -160,11 +132,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
 
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
-        # Fabric hands a third-party strategy an autocast or casting plugin; keep its precision name only.
-        if precision is None or isinstance(precision, FabricPrecision):
-            self._precision = precision
-        else:
-            self._precision = FabricPrecision(str(precision.precision))
+        self._precision = own_precision(precision, FabricPrecision)
 
     @override
     def _configure_launcher(self) -> None:
@@ -177,15 +145,8 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        layout = self.layout.resolve(self.world_size)
-        backend = self._process_group_backend or compat.default_process_group_backend(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        job_launch.start_process_group(self.cluster_environment, backend, self.root_device, self._timeout)
-        self.build_mesh(layout)
-        precision = FabricPrecision(self.precision.precision, self._device_mesh, FLATTENED)
+        layout = self.start_mesh()
+        precision = FabricPrecision(self.precision.precision, self.device_mesh, FLATTENED)
         precision.step_context, precision.whole_output = self._step, self.context.gather_output
         self._precision = precision
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes (Fabric)")
@@ -203,10 +164,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         if is_parallelized_by_user(module):
             holder = nn.Module()
             holder.add_module(_HELD, module)
-            sources = pretrained_weights.plan_all(holder, {_child(k): v for k, v in self.pretrained.items()})
-            compat.materialize_distributed_module(module, self.root_device)
-            for source in sources:
-                pretrained_weights.load(holder, source)
+            self.fill_parallelized_by_user(holder, module, {_child(k): v for k, v in self.pretrained.items()})
         elif self._module is None:
             self._parallelize(module)
         self._module = module
@@ -216,35 +174,19 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         return module
 
     def _parallelize(self, module: nn.Module) -> None:
-        matched = loss_parallel.as_output(plans.resolve_plan(module, self.tensor_parallel_plan, self.layout.tp))
-        mesh = self.device_mesh
+        matched = without_loss_parallel(resolve_plan(module, self.tensor_parallel_plan, self.layout.tp))
         module = self.precision.convert_module(module)
-        blocks = plans.find_blocks(module, self.block_container)
+        blocks = find_blocks(module, self.block_container)
         # The weights are prepared and filled as a LightningModule's child's are, so that a model built on meta is
         # initialised by its own init as a whole (a transformers model's _init_weights reaches its lm_head too).
         holder, pretrained = nn.Module(), {_child(k): v for k, v in self.pretrained.items()}
         holder.add_module(_HELD, module)
-        weights = build.prepare_weights(holder, pretrained, self.root_device, pipelined=False)
-        settings = build.ParallelSettings.on(
-            mesh,
-            mp_policy=self.precision.mixed_precision_policy,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload,
-            experts=self._experts,
-        )
         # the model is one FSDP root with its blocks (as a LightningModule's child is), not each of its children
         held_blocks = [(_child(name), block) for name, block in blocks]
-        build.parallelize_plain(holder, held_blocks, {_child(k): v for k, v in matched.items()}, settings)
-        build.finish_weights(holder, weights, held_blocks, self.root_device, submesh(mesh, "dp"), self.cpu_offload)
-        if self.context.enabled:
-            self.context.setup(module, [name for name, _ in blocks], mesh["cp"].get_group(), root=module)
-        self.balance.setup(module, blocks, *self.token_groups(), True, self.context.step_padding, root=module)
-        rank_zero_info(
-            f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
-            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}"
-        )
+        held_plan = {_child(k): v for k, v in matched.items()}
+        self.build_model(holder, held_blocks, held_plan, self.precision.mixed_precision_policy, pretrained)
+        self.hook_step(module, blocks, root=module)
+        self.describe_build(blocks, matched)
 
     @override
     def setup_module_and_optimizers(
@@ -315,21 +257,9 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Over the data-parallel ranks by default (one copy per batch, not one per tp or cp peer)."""
-        if group is None and self._device_mesh is not None:
+        if group is None and self.dims.built:
             group = self.dp_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        self.barrier_all()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.broadcast_object(obj, src)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return self.decide_over_all(decision, all)
 
     # ------------------------------------------------------------------ checkpoints
     @override

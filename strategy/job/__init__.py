@@ -4,7 +4,24 @@ the dead-rank watchdog, hung collectives, even batches across ranks, the run dir
 
 from cuboid.job.even_batches import UnevenBatchesError
 from cuboid.job.guard import JobGuard
+from cuboid.job.launch import (
+    CuboidLauncher,
+    check_before_launch,
+    check_external_launch,
+    forget_previous_launch,
+    start_process_group,
+)
 from cuboid.job.run_lock import RunDirectoryBusy
 from cuboid.job.watchdog import EXIT_CODE as DEAD_PEER_EXIT_CODE
 
-__all__ = ["DEAD_PEER_EXIT_CODE", "JobGuard", "RunDirectoryBusy", "UnevenBatchesError"]
+__all__ = [
+    "CuboidLauncher",
+    "DEAD_PEER_EXIT_CODE",
+    "JobGuard",
+    "RunDirectoryBusy",
+    "UnevenBatchesError",
+    "check_before_launch",
+    "check_external_launch",
+    "forget_previous_launch",
+    "start_process_group",
+]

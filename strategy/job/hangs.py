@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from cuboid import compat
 from cuboid.job.watchdog import mark_job
-from cuboid.parallel.mesh import dim_groups
+from cuboid.parallel import dim_groups
 
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "DistTimeoutError")
 

@@ -20,7 +20,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
 from cuboid.compat import SubprocessScriptLauncher, basic_subprocess_cmd, init_dist_connection
-from cuboid.parallel.mesh import LayoutError
+from cuboid.parallel import LayoutError
 
 _SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _MARKER = "CUBOID_LAUNCHED"  # "<pid of the launching process>|<hydra job output dir>"

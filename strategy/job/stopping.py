@@ -38,7 +38,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid import compat
-from cuboid.checkpoint.format import CheckpointError
+from cuboid.checkpoint import CheckpointError
 from cuboid.job.launch import slurm_job_id
 
 STOP, PREEMPT, SAVE_FAILED = 1, 2, 3

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from cuboid.checkpoint import pretrained as pretrained_weights
+from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.parallel import materialize, plans
 from cuboid.parallel.mesh import fsdp_mesh
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, Part, parallelize
@@ -82,7 +82,7 @@ def prepare_weights(
             f"{type(lm).__name__} holds parameters directly ({direct}); under pipeline parallelism every parameter "
             "must belong to a stage. Move them into the model the LightningModule calls (e.g. self.model)."
         )
-    sources = pretrained_weights.plan_all(lm, pretrained or {})  # every source checked before any work
+    sources = plan_pretrained(lm, pretrained or {})  # every source checked before any work
     loaded = set().union(*(plan.lightning_names() for plan in sources))
     on_meta = materialize.meta_names(lm)
     twins = materialize.meta_twins(lm) if on_meta - loaded else {}
@@ -125,7 +125,7 @@ def finish_weights(
             lm, weights.twins, weights.on_meta, device, block_names, weights.loaded, param_device
         )
     for plan in weights.sources:
-        pretrained_weights.load(lm, plan)
+        load_pretrained(lm, plan)
     average_stray_gradients(lm, report_stray_parameters(lm), dp_mesh)
 
 

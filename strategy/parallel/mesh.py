@@ -9,7 +9,7 @@ context-parallel peers the next nearest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -38,17 +38,26 @@ class LayoutError(ValueError):
     """A layout that cannot work: the message names the sizes and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
-    """Sizes of the five mesh dimensions. ``dp_shard="auto"`` fills the rest of the world. ``ep``: the ranks each
-    MoE layer's experts are split over, borrowed from ``dp_shard x cp`` (not a dimension of its own)."""
+    """Sizes of the five mesh dimensions, by keyword, in the mesh's order (outermost first):
+    ``Layout(pp=2, dp_shard=4, tp=2)``. ``dp_shard="auto"`` fills the rest of the world. ``ep``: the ranks each MoE
+    layer's experts are split over, borrowed from ``dp_shard x cp`` (not a dimension of its own)."""
 
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int | Literal["auto"] = "auto"
-    tp: int = 1
     cp: int = 1
+    tp: int = 1
     ep: int = 1
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> Layout:
+        """The layout from a strategy's arguments, by their names (``pipeline_parallel``, ``data_parallel_replicate``,
+        ``data_parallel_shard``, ``context_parallel``, ``tensor_parallel``, ``expert_parallel``; one left out is
+        the default)."""
+        names = {**_ARG_NAMES, "ep": "expert_parallel"}
+        return cls(**{dim: arguments[arg] for dim, arg in names.items() if arg in arguments})
 
     def resolve(self, world_size: int) -> Layout:
         """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""

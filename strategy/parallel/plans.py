@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -268,3 +269,21 @@ def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str
         if len(children) > len(best):
             best = [(f"{name}.{k}" if name else k, c) for k, c in children]
     return best
+
+
+def with_loss_parallel(
+    matched: dict[str, tuple[Any, str]], pp: int, cp: int = 1
+) -> tuple[dict[str, tuple[Any, str]], bool]:
+    """The plan to apply and whether loss parallel is on: under pp > 1, ``"loss_parallel"`` entries become
+    ``"output"`` (the schedule's loss function on the last stage runs outside the strategy's step context), and
+    under cp > 1 too (the loss is gathered over the sequence shards per token, on plain logits)."""
+    uses = any(style == "loss_parallel" for _, style in matched.values())
+    if not uses or (pp == 1 and cp == 1):
+        return matched, uses
+    return without_loss_parallel(matched), False
+
+
+def without_loss_parallel(matched: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+    """The plan with every ``"loss_parallel"`` entry applied as ``"output"`` (logits gathered, plain): for a loss
+    computed where no strategy context runs (a pipeline's last stage, a Fabric loop)."""
+    return {name: (module, "output" if s == "loss_parallel" else s) for name, (module, s) in matched.items()}

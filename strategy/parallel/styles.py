@@ -47,6 +47,7 @@ plan: Cuboid does not split experts over tp (a model's own plan loses those entr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -96,6 +97,13 @@ _EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "packed_colwise", "pa
 
 class PlanError(ValueError):
     """A plan that does not fit the model or the layout; the message says what to change."""
+
+
+def check_plan_styles(plan: Mapping[str, str] | None) -> None:
+    """Every style of a user's ``tensor_parallel_plan`` known (:func:`canonical_style`), checked when the strategy is
+    made, before any process starts."""
+    for pattern, style in (plan or {}).items():
+        canonical_style(style, pattern)
 
 
 def canonical_style(style: str, pattern: str = "") -> str:

@@ -5,17 +5,29 @@ rank, and :class:`Pipelining`, the strategy's pipeline."""
 from cuboid.pipeline.decoder import DecoderShape, KeyedModuleList
 from cuboid.pipeline.pipelining import Pipelining, batch_and_index
 from cuboid.pipeline.runner import PipelineRunner
-from cuboid.pipeline.stages import MULTI_STAGE, SCHEDULES, PipelineError, find_pipeline_split, split_batch
+from cuboid.pipeline.stages import (
+    MULTI_STAGE,
+    SCHEDULES,
+    PipelineError,
+    default_microbatches,
+    find_pipeline_split,
+    split_batch,
+    stage_blocks,
+    stage_ids,
+)
 
 __all__ = [
-    "MULTI_STAGE",
-    "SCHEDULES",
     "DecoderShape",
     "KeyedModuleList",
+    "MULTI_STAGE",
     "PipelineError",
     "PipelineRunner",
     "Pipelining",
+    "SCHEDULES",
     "batch_and_index",
+    "default_microbatches",
     "find_pipeline_split",
     "split_batch",
+    "stage_blocks",
+    "stage_ids",
 ]

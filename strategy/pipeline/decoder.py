@@ -45,9 +45,15 @@ import torch
 from torch import nn
 
 from cuboid.compat import shallow_module_copy
-from cuboid.context.runtime import KEY_PADDING
-from cuboid.context.runtime import active as context_active
-from cuboid.experts import balance
+from cuboid.context import KEY_PADDING
+from cuboid.context import active as context_active
+from cuboid.experts import (
+    active_balancing,
+    balancing_loss,
+    balancing_statistics,
+    check_router_loss_model,
+    router_loss_model,
+)
 
 
 class DecoderSplitError(ValueError):
@@ -122,10 +128,10 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             "transformers decoder does), or a model written for Cuboid's pipeline contract (docs/pipeline.md)."
         )
     config = getattr(base, "config", None)
-    router_loss = balance.router_loss_model(owner)
+    router_loss = router_loss_model(owner)
     if router_loss:
         try:
-            balance.check_router_loss_model(owner)
+            check_router_loss_model(owner)
         except ValueError as err:
             raise DecoderSplitError(str(err)) from None
     base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
@@ -270,13 +276,13 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     if parts is None:
         return result.logits
     experts = self.num_experts
-    lb = balance.active()
+    lb = active_balancing()
     if lb is not None and not lb.checked and out.router_logits:  # the model's own aux_loss (its layers') = ours
-        own = balance.statistics(out.router_logits, experts, self.num_experts_per_tok, mask.get("attention_mask"))
-        lb.check(self, result.aux_loss, balance.loss_of(own, experts))
+        own = balancing_statistics(out.router_logits, experts, self.num_experts_per_tok, mask.get("attention_mask"))
+        lb.check(self, result.aux_loss, balancing_loss(own, experts))
     whole = lb.whole(parts) if lb is not None else parts
     # (the loss with a dimension: the schedule concatenates each output over the microbatches)
-    return result.logits, balance.loss_of(whole, experts).reshape(1)
+    return result.logits, balancing_loss(whole, experts).reshape(1)
 
 
 def _balance_parts(stage: nn.Module, received: tuple[torch.Tensor, ...], out: Any, kwargs: dict) -> torch.Tensor:
@@ -287,7 +293,7 @@ def _balance_parts(stage: nn.Module, received: tuple[torch.Tensor, ...], out: An
     if cp is not None and padding is not None:
         padding = cp.local_padding(padding)
     routers = tuple(getattr(out, "router_logits", None) or ())
-    own = balance.statistics(routers, stage.num_experts, stage.num_experts_per_tok, padding)
+    own = balancing_statistics(routers, stage.num_experts, stage.num_experts_per_tok, padding)
     return own + received[0] if received else own
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cuboid.parallel.build import ParallelSettings
+from cuboid.parallel import ParallelSettings
 from cuboid.pipeline import stages as pipeline
 from cuboid.pipeline.decoder import DecoderShape
 from cuboid.pipeline.runner import PipelineRunner
@@ -27,14 +27,14 @@ from cuboid.pipeline.runner import PipelineRunner
 class Pipelining:
     """The pipeline of a CuboidStrategy (``pp`` stages; inactive when ``pp == 1``).
 
-    Args: as CuboidStrategy's ``pipeline_parallel``, ``pipeline_schedule``, ``microbatches``,
-    ``virtual_stages``, ``pipeline_split``; ``reshard_after_forward`` and ``activation_checkpointing``
-    are checked against the schedule, and :attr:`reshard_after_forward` holds the resolved default.
+    Args: ``dims``, the run's degrees (``dims.pp`` stages); then as CuboidStrategy's ``pipeline_schedule``,
+    ``microbatches``, ``virtual_stages``, ``pipeline_split``; ``reshard_after_forward`` and
+    ``activation_checkpointing`` are checked against the schedule, and :attr:`reshard_after_forward` holds the resolved default.
     """
 
     def __init__(
         self,
-        pp: int,
+        dims: Any,
         schedule: str = "1F1B",
         microbatches: int | None = None,
         virtual_stages: int | None = None,
@@ -42,6 +42,7 @@ class Pipelining:
         reshard_after_forward: bool | int | None = None,
         activation_checkpointing: str | None = None,
     ) -> None:
+        pp = dims.pp  # read from the run's one record of its degrees (ParallelDims, or a Layout)
         if virtual_stages is None:
             virtual_stages = 2 if schedule in pipeline.MULTI_STAGE else 1
         if microbatches is None:
@@ -65,7 +66,7 @@ class Pipelining:
                 "yet: its split backward re-runs each checkpointed block twice, which torch's checkpoint refuses. "
                 "Use pipeline_schedule='1F1B' or 'Interleaved1F1B', or activation_checkpointing=None."
             )
-        self.pp, self.schedule, self.microbatches, self.virtual_stages = pp, schedule, microbatches, virtual_stages
+        self.dims, self.schedule, self.microbatches, self.virtual_stages = dims, schedule, microbatches, virtual_stages
         self.split = list(split) if split is not None else None
         self.reshard_after_forward = reshard_after_forward
         self.runner: PipelineRunner | None = None
@@ -80,8 +81,13 @@ class Pipelining:
         self.counted_elsewhere: set[int] = set()  # ids of parameters the global gradient norm counts on another rank
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages (``pp``), from the run's degrees."""
+        return self.dims.pp
+
+    @property
     def enabled(self) -> bool:
-        return self.pp > 1
+        return self.dims.pp > 1
 
     def describe(self) -> str:
         return f"{self.schedule} over {self.pp} stages x {self.virtual_stages}"

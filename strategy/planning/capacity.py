@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cuboid.parallel.mesh import Layout, LayoutError
-from cuboid.parallel.styles import canonical_style
+from cuboid.parallel import Layout, LayoutError, canonical_style
 
 # Styles that split a module's weight over tp, and the weight dim they split (Linear, Embedding).
 _TP_DIM: dict[str, tuple[int, int]] = {
@@ -82,14 +81,14 @@ def _pp_owned(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]], pipelining
     """Per pp rank, the name prefixes (from ``lm``) of what its stages hold; None without pipeline parallel."""
     if not pipelining.enabled:
         return None
-    from cuboid.pipeline import stages as pipeline
+    from cuboid.pipeline import find_pipeline_split, stage_blocks, stage_ids
 
-    split = pipeline.find_pipeline_split(lm, blocks)
+    split = find_pipeline_split(lm, blocks)
     n_stages = pipelining.pp * pipelining.virtual_stages
-    per_stage = pipeline.stage_blocks(len(split.block_keys), n_stages, pipelining.split)
+    per_stage = stage_blocks(len(split.block_keys), n_stages, pipelining.split)
     owned = []
     for rank in range(pipelining.pp):
-        stages = pipeline.stage_ids(rank, pipelining.pp, pipelining.virtual_stages, pipelining.schedule)
+        stages = stage_ids(rank, pipelining.pp, pipelining.virtual_stages, pipelining.schedule)
         prefixes = [f"{split.owner}.{split.container}.{split.block_keys[i]}." for s in stages for i in per_stage[s]]
         prefixes += [f"{split.owner}.{n}." for n in split.pre] if 0 in stages else []
         prefixes += [f"{split.owner}.{n}." for n in split.post] if n_stages - 1 in stages else []

@@ -24,10 +24,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from cuboid import compat
-from cuboid.parallel import plans
-from cuboid.parallel.build import ParallelSettings, parallelize_plain
-from cuboid.parallel.mesh import Layout, LayoutError, build_device_mesh, build_ep_meshes
-from cuboid.parallel.parallelize import ExpertsLayout
+from cuboid.parallel import (
+    Layout,
+    LayoutError,
+    ParallelDims,
+    ParallelSettings,
+    find_blocks,
+    parallelize_plain,
+    resolve_plan,
+    with_loss_parallel,
+)
 
 
 @dataclass
@@ -78,11 +84,12 @@ def dry_run(
             lm.configure_model()
         if any(not t.is_meta for t in lm.parameters()):
             raise ValueError("dry_run needs the model built on the meta device (e.g. CausalLM(meta_init=True)).")
-        mesh, _ = build_device_mesh(layout, "cpu")
-        matched = plans.resolve_plan(lm, tensor_parallel_plan, layout.tp)
-        blocks = plans.find_blocks(lm, None)
-        experts = ExpertsLayout(*build_ep_meshes(mesh, layout.ep), layout.dp * layout.cp) if layout.ep > 1 else None
-        settings = ParallelSettings.on(mesh, mp_policy=MixedPrecisionPolicy(), experts=experts)
+        dims = ParallelDims(layout)
+        dims.build("cpu")
+        matched = resolve_plan(lm, tensor_parallel_plan, layout.tp)
+        blocks = find_blocks(lm, None)
+        experts = dims.experts
+        settings = ParallelSettings.on(dims.mesh, mp_policy=MixedPrecisionPolicy(), experts=experts)
         parallelize_plain(lm, blocks, matched, settings)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in lm.parameters()]
         assert all(t.is_meta for t in local), "dry_run allocated a tensor"
@@ -113,13 +120,12 @@ def _pipeline_dry_run(
 ) -> RankBytes:
     from cuboid.pipeline import Pipelining
     from cuboid.planning import capacity
-    from cuboid.step import loss_parallel
 
     if callable(getattr(lm, "configure_model", None)):
         lm.configure_model()
-    matched, _ = loss_parallel.under_layout(plans.resolve_plan(lm, plan, layout.tp), layout.pp, layout.cp)
-    blocks = plans.find_blocks(lm, None)
-    pipelining = Pipelining(layout.pp, schedule, virtual_stages=virtual_stages)
+    matched, _ = with_loss_parallel(resolve_plan(lm, plan, layout.tp), layout.pp, layout.cp)
+    blocks = find_blocks(lm, None)
+    pipelining = Pipelining(layout, schedule, virtual_stages=virtual_stages)
     per_rank = capacity.estimate(lm, layout, matched, blocks, pipelining).per_pp_rank
     elements = capacity.estimate(lm, layout, matched, blocks, pipelining, param_bytes=1).per_pp_rank
     worst = max(range(layout.pp), key=per_rank.__getitem__)
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel (MoE experts over ep of the dp_shard ranks)")
     args = parser.parse_args(argv)
     lm = _hf_module(args.hf_config) if args.hf_config else CausalLM(model=args.model, meta_init=True)
-    layout = Layout(args.pp, args.replicate, args.dp, args.tp, args.cp, args.ep)
+    layout = Layout(pp=args.pp, dp_replicate=args.replicate, dp_shard=args.dp, cp=args.cp, tp=args.tp, ep=args.ep)
     report = dry_run(lm, layout, pipeline_schedule=args.schedule)
     gib = 2**30
     name = args.hf_config or args.model

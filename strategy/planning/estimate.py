@@ -89,7 +89,7 @@ def stage_blocks(shape: Shape, stages: int) -> list[int]:
 
 def rank_stages(s: Setup) -> list[list[int]]:
     """The stages each pp rank runs (Cuboid's own assignment, :func:`cuboid.pipeline.stages.stage_ids`)."""
-    from cuboid.pipeline.stages import stage_ids
+    from cuboid.pipeline import stage_ids
 
     return [stage_ids(r, s.pp, s.virtual_stages, s.schedule) for r in range(s.pp)]
 

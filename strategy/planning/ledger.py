@@ -26,7 +26,7 @@ from typing import Any
 import lightning as L
 
 from cuboid import compat
-from cuboid.parallel.mesh import dim_groups
+from cuboid.parallel import dim_groups
 
 DTYPE_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}  # fmt: skip

@@ -168,8 +168,8 @@ def plan(
     for pp, rep, shard, tp, cp in layouts(shape, world, gpus_per_node, seq):
         for offload, ac, ep in [(o, a, e) for o in (False, True) for a in (None, "selective", "full")
                                 for e in expert_degrees(shape, pp, shard, tp, cp)]:  # fmt: skip
-            s = Setup(pp, rep, shard, tp, seq=seq, precision=precision, ac=ac, cpu_offload=offload, compile=compile,
-                      cp=cp, ep=ep)  # fmt: skip
+            s = Setup(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, ep=ep, seq=seq, precision=precision,
+                      ac=ac, cpu_offload=offload, compile=compile)  # fmt: skip
             s, mem, ok = best_batch(shape, s, hw, headroom, max_batch)
             host_ok = mem.host * gpus_per_node <= host_memory_per_node
             ok = ok and host_ok

@@ -3,7 +3,10 @@ config), a GPU and its links (:class:`Hardware`, :data:`GPUS`), and how it train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
+
+from cuboid.parallel import Layout
 
 GIB = 1024**3
 
@@ -203,14 +206,16 @@ GPUS: dict[str, Hardware] = {
 }
 
 
-@dataclass(frozen=True)
-class Setup:
-    """How a model trains: the layout and everything that changes memory or time."""
+_DEGREES = tuple(f.name for f in fields(Layout))  # pp, dp_replicate, dp_shard, cp, tp, ep: the mesh's order
 
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
+
+@dataclass(frozen=True, init=False)
+class Setup:
+    """How a model trains: the layout (a :class:`~cuboid.parallel.Layout`, the one record of the degrees) and
+    everything else that changes memory or time. Made as ``Setup(dp_shard=8, tp=2, batch=2, ...)``: the degrees by
+    their layout names go into :attr:`layout` (``dp_shard`` defaults to 1 here), and ``s.tp`` etc. read them back."""
+
+    layout: Layout
     batch: int = 1  # sequences per data-parallel rank per optimizer step (the "local batch")
     seq: int = 8192
     precision: str = "bf16-mixed"  # "bf16-mixed" | "32-true" | "bf16-true"
@@ -223,9 +228,17 @@ class Setup:
     fp8: bool = False  # float8 matmuls (torchao), and float8 FSDP all-gathers
     async_tp: bool = False
     reshard_after_forward: bool | None = None  # None: Cuboid's default (True without pp, False with)
-    cp: int = 1  # context parallel: each sequence split over cp ranks; FSDP shards over dp_shard x cp
-    ep: int = 1  # expert parallel: each MoE block's experts split over ep of the dp_shard x cp ranks
     balance: bool = False  # an MoE's load-balancing loss in the loss, its statistic summed over the ranks ("global")
+
+    def __init__(self, layout: Layout | None = None, **settings: Any) -> None:
+        degrees = {name: settings.pop(name) for name in _DEGREES if name in settings}
+        if layout is not None and degrees:
+            raise TypeError(f"Setup: give the degrees in layout= or by name, not both ({sorted(degrees)}).")
+        object.__setattr__(self, "layout", layout if layout is not None else Layout(**{"dp_shard": 1, **degrees}))
+        for f in fields(self)[1:]:
+            object.__setattr__(self, f.name, settings.pop(f.name, f.default))
+        if settings:
+            raise TypeError(f"Setup got unknown settings {sorted(settings)}.")
 
     @property
     def world(self) -> int:
@@ -233,6 +246,11 @@ class Setup:
 
     @property
     def m(self) -> int:
-        from cuboid.pipeline.stages import default_microbatches
+        from cuboid.pipeline import default_microbatches
 
         return self.microbatches or default_microbatches(self.pp, self.virtual_stages)
+
+
+# s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp, s.ep: read from the layout (a degree added to Layout reads here too)
+for _degree in _DEGREES:
+    setattr(Setup, _degree, property(lambda self, name=_degree: getattr(self.layout, name)))

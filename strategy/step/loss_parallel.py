@@ -82,20 +82,4 @@ class LossParallel:
         return loss_parallel() if self.enabled else nullcontext()
 
 
-__all__ = ["LossParallel", "as_output", "plain", "plain_output"]
-
-
-def under_layout(matched: dict[str, tuple[Any, str]], pp: int, cp: int = 1) -> tuple[dict[str, tuple[Any, str]], bool]:
-    """The plan to apply and whether loss parallel is on: under pp > 1, ``"loss_parallel"`` entries become
-    ``"output"`` (the schedule's loss function on the last stage runs outside the strategy's step context), and
-    under cp > 1 too (the loss is gathered over the sequence shards per token, on plain logits)."""
-    uses = any(style == "loss_parallel" for _, style in matched.values())
-    if not uses or (pp == 1 and cp == 1):
-        return matched, uses
-    return as_output(matched), False
-
-
-def as_output(matched: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
-    """The plan with every ``"loss_parallel"`` entry applied as ``"output"`` (logits gathered, plain): for a loss
-    computed where no strategy context runs (a pipeline's last stage, a Fabric loop)."""
-    return {name: (module, "output" if s == "loss_parallel" else s) for name, (module, s) in matched.items()}
+__all__ = ["LossParallel", "plain", "plain_output"]

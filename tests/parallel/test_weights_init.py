@@ -110,7 +110,7 @@ def test_buffer_no_init_sets_is_an_error() -> None:
 def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
     code = (
         "from cuboid.planning.dryrun import dry_run; from cuboid.parallel.mesh import Layout; from cuboid.models import CausalLM;"
-        "r = dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 8, 8));"
+        "r = dry_run(CausalLM(model='70b', meta_init=True), Layout(dp_shard=8, tp=8));"
         "print(r.world, r.total_elements, r.elements, r.params)"
     )
     out = python([sys.executable, "-c", code], timeout=300)
@@ -126,7 +126,7 @@ def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
 def test_a_plan_that_does_not_divide_fails_in_the_dry_run() -> None:
     code = (
         "from cuboid.planning.dryrun import dry_run; from cuboid.parallel.mesh import Layout; from cuboid.models import CausalLM;"
-        "dry_run(CausalLM(model='70b', meta_init=True), Layout(1, 1, 4, 16))"
+        "dry_run(CausalLM(model='70b', meta_init=True), Layout(dp_shard=4, tp=16))"
     )
     out = python([sys.executable, "-c", code], timeout=300)
     assert out.returncode != 0 and "16" in out.stderr and "n_kv_heads" in out.stderr.replace("num_key_value", ""), (

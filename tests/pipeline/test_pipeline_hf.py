@@ -376,7 +376,7 @@ def test_dry_run_counts_each_stage_of_a_transformers_model(results) -> None:
             with torch.device("meta"):
                 self.model = third_party.build_model("hf_qwen3")
 
-    report = dry_run(OnMeta(), Layout(2, 1, 1, 2))
+    report = dry_run(OnMeta(), Layout(pp=2, dp_shard=1, tp=2))
     ranks = results["hf_qwen3-pp2xtp2"]["ranks"]
     measured = [max(f["bytes"]["params"] for f in ranks if f["rank"] // 2 == pp) for pp in range(2)]
     assert report.per_pp_rank == measured, (report.per_pp_rank, measured)

@@ -35,8 +35,8 @@ def test_estimate_from_the_module_agrees_with_the_planners_formula(pp, rep, shar
     """Two independent counts of one rank's parameter bytes: cuboid.planning.capacity walks the module's parameters (on meta) with
     its tp plan and pipeline split; cuboid.planning.estimate multiplies Llama's shape. They agree to FSDP's chunk rounding."""
     lm = _Module()
-    layout = Layout(pp, rep, shard, tp).resolve(pp * rep * shard * tp)
-    pipelining = Pipelining(pp, schedule)
+    layout = Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp).resolve(pp * rep * shard * tp)
+    pipelining = Pipelining(layout, schedule)
     est = estimate(lm, layout, resolve_plan(lm, None, tp), find_blocks(lm), pipelining)
     setup = Setup(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, precision="32-true", schedule=schedule,
                   virtual_stages=pipelining.virtual_stages)  # fmt: skip
@@ -50,9 +50,9 @@ def test_estimate_from_the_module_agrees_with_the_planners_formula(pp, rep, shar
 def test_estimate_counts_the_converted_dtype_and_stray_parameters_whole() -> None:
     lm = _Module()
     lm.scale = nn.Parameter(torch.ones(1000, device="meta"))  # the LightningModule's own: outside every FSDP unit
-    layout = Layout(1, 1, 4, 1).resolve(4)
-    full = estimate(lm, layout, {}, find_blocks(lm), Pipelining(1))
-    half = estimate(lm, layout, {}, find_blocks(lm), Pipelining(1), param_bytes=2)
+    layout = Layout(dp_shard=4).resolve(4)
+    full = estimate(lm, layout, {}, find_blocks(lm), Pipelining(Layout()))
+    half = estimate(lm, layout, {}, find_blocks(lm), Pipelining(Layout()), param_bytes=2)
     assert half.rank_bytes(0) * 2 == full.rank_bytes(0)
     without = sum(p.numel() for n, p in lm.named_parameters() if n != "scale") * 4 / 4
     assert full.rank_bytes(0) == pytest.approx(without + 4000, rel=0.01)
@@ -60,8 +60,8 @@ def test_estimate_counts_the_converted_dtype_and_stray_parameters_whole() -> Non
 
 def test_refusal_names_the_estimate_auto_and_the_shard_group_it_would_take() -> None:
     lm = _Module()
-    layout = Layout(1, 1, 2, 2).resolve(4)
-    est = estimate(lm, layout, resolve_plan(lm, None, 2), find_blocks(lm), Pipelining(1))
+    layout = Layout(dp_shard=2, tp=2).resolve(4)
+    est = estimate(lm, layout, resolve_plan(lm, None, 2), find_blocks(lm), Pipelining(Layout()))
     params = est.rank_bytes(0)
     refuse_if_too_big(est, layout, 2 * params, auto=True)  # parameters + gradients fit exactly: not refused
     with pytest.raises(LayoutError) as err:

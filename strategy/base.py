@@ -1,0 +1,317 @@
+"""What the two doors share: :class:`MeshCollectives`, the one build behind the Trainer's strategy
+(:class:`cuboid.CuboidStrategy`) and Fabric's (:class:`cuboid.fabric.CuboidStrategy`), and :class:`MeshStrategy`, the
+Trainer's ``ParallelStrategy`` on it.
+
+One build: the arguments both doors take are checked once (:meth:`MeshCollectives.init_build`), the processes, the
+process group and the meshes start one way (:meth:`MeshCollectives.start_mesh`), and the model is parallelized with
+one set of settings (:meth:`MeshCollectives.parallel_settings`). The degrees live in one record,
+:class:`~cuboid.parallel.dims.ParallelDims`. Each door keeps only its own framework's hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from cuboid import compat
+from cuboid.checkpoint import load_pretrained, plan_pretrained
+from cuboid.context import ContextParallel
+from cuboid.experts import LoadBalancing
+from cuboid.job import start_process_group
+from cuboid.parallel import (
+    ACMode,
+    Layout,
+    ParallelDims,
+    ParallelSettings,
+    check_ac_mode,
+    check_plan_styles,
+    finish_weights,
+    parallelize_plain,
+    prepare_weights,
+    submesh,
+)
+from cuboid.step import CuboidPrecision
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
+
+P = TypeVar("P")
+# The arguments both doors take and keep as they are, besides the degrees (read by Layout.from_arguments).
+BUILD_ARGUMENTS = (
+    "tensor_parallel_plan",
+    "block_container",
+    "activation_checkpointing",
+    "cpu_offload",
+    "compile",
+    "pretrained",
+    "load_balancing",
+    "process_group_backend",
+    "timeout",
+)
+
+
+def own_precision(plugin: Any, kind: Callable[..., P]) -> P | None:
+    """The door's own precision plugin for what Lightning or Fabric hands a third-party strategy (an autocast or
+    casting plugin): its precision name is kept, in ``kind``; ``None`` and ``kind`` instances pass as they are."""
+    if plugin is None or isinstance(plugin, kind):  # type: ignore[arg-type]
+        return plugin
+    return kind(str(plugin.precision))
+
+
+class MeshCollectives:
+    """What a strategy on one device mesh answers, the Trainer's (:class:`MeshStrategy`) and Fabric's
+    (:class:`cuboid.fabric.CuboidStrategy`) alike: the build's settings, the mesh (from :attr:`dims`), its flattened
+    data-parallel sub-mesh ``"dp"`` (data is split over ``dp`` only), the sampler's arguments, and barrier, broadcast
+    and decisions over every rank."""
+
+    dims: ParallelDims
+    _process_group_backend: str | None = None
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+
+    def init_build(self, arguments: Mapping[str, Any], reshard_after_forward: bool | int) -> None:
+        """Check and keep the arguments both doors take, read by name from the door's ``arguments`` (its
+        ``__init__``'s, e.g. ``locals()``): the degrees (``pipeline_parallel``, ..., ``expert_parallel``) into
+        :attr:`dims`, the one record of them, and the build's settings (:data:`BUILD_ARGUMENTS`)."""
+        self.dims = ParallelDims(Layout.from_arguments(arguments))
+        self._keep_build_arguments(reshard_after_forward, **{name: arguments[name] for name in BUILD_ARGUMENTS})
+
+    def _keep_build_arguments(
+        self,
+        reshard_after_forward: bool | int,
+        *,
+        tensor_parallel_plan: Mapping[str, str] | None,
+        block_container: str | None,
+        activation_checkpointing: ACMode | None,
+        cpu_offload: bool,
+        compile: bool,
+        pretrained: Mapping[str, str | Path | None] | None,
+        load_balancing: str,
+        process_group_backend: str | None,
+        timeout: timedelta | float | None,
+    ) -> None:
+        check_ac_mode(activation_checkpointing)
+        check_plan_styles(tensor_parallel_plan)
+        self.context = ContextParallel(self.dims, compile, activation_checkpointing)
+        self.balance = LoadBalancing(load_balancing)
+        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
+        self.block_container = block_container
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.compile = compile
+        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees (resolved once the processes have started)."""
+        return self.dims.layout
+
+    def start_mesh(
+        self, before_group: Callable[[str], None] | None = None, after_group: Callable[[], None] | None = None
+    ) -> Layout:
+        """In each process: the seed, the ranks, the layout resolved against the world size, the process group
+        (``before_group(backend)`` and ``after_group()`` around it) and the meshes. Returns the resolved layout."""
+        reset_seed()
+        self.set_world_ranks()
+        layout = self.dims.resolve(self.world_size)  # type: ignore[attr-defined]
+        backend = self._process_group_backend or compat.default_process_group_backend(self.mesh_root_device())
+        self._process_group_backend = backend
+        if before_group is not None:
+            before_group(backend)
+        env, device = self.cluster_environment, self.mesh_root_device()  # type: ignore[attr-defined]
+        start_process_group(env, backend, device, self._timeout)
+        if after_group is not None:
+            after_group()
+        self.dims.build(self.mesh_root_device().type)
+        return layout
+
+    def parallel_settings(self, mp_policy: Any) -> ParallelSettings:
+        """How each block is parallelized (tp, activation checkpointing, compile, FSDP2, the experts' split)."""
+        return ParallelSettings.on(
+            self.device_mesh,
+            mp_policy=mp_policy,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+            experts=self.dims.experts,
+        )
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``."""
+        return self.dims.mesh
+
+    def token_groups(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(name, group) of the mesh dims whose ranks hold different tokens of a step: the data-parallel dims, and
+        cp (its ranks hold different parts of the same sequences)."""
+        return self.dims.token_groups()
+
+    @property
+    def experts_layout(self) -> Any:
+        """Under ``expert_parallel > 1``, the :class:`~cuboid.parallel.parallelize.ExpertsLayout` (the ``ep`` mesh
+        the experts are split over, the mesh their FSDP shards over); ``None`` otherwise."""
+        return self.dims.experts
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Process group of the data-parallel ranks (replicas x shards) that share this rank's tp/pp
+        coordinates. Pass it to torchmetrics (``Metric(process_group=strategy.dp_group)``) so
+        tensor-parallel peers, which see the same batch, are not counted twice."""
+        return self.dims.dp_group
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D mesh named ``"dp"``."""
+        return self.dims.dp_mesh
+
+    # ------------------------------------------------------------------ the model, built the same way by both doors
+    def fill_parallelized_by_user(self, root: nn.Module, module: nn.Module, pretrained: Mapping[str, str]) -> None:
+        """A model the user parallelized by hand (``module``, under ``root``, whose names ``pretrained`` uses): its
+        pretrained sources checked, its meta tensors materialized, then filled."""
+        sources = plan_pretrained(root, pretrained)
+        compat.materialize_distributed_module(module, self.root_device)
+        for source in sources:
+            load_pretrained(root, source)
+
+    def build_model(
+        self,
+        root: nn.Module,
+        blocks: list[tuple[str, nn.Module]],
+        matched: dict[str, Any],
+        mp_policy: Any,
+        pretrained: Mapping[str, str],
+        build_stages: Callable[[ParallelSettings], Any] | None = None,
+    ) -> Any:
+        """Parallelize ``root`` in place: its weights prepared (a meta model initialised by its own init), then tp,
+        activation checkpointing, compile and FSDP2 per block (by ``build_stages(settings)`` under pp, which keeps
+        this rank's stages), then its weights filled shard by shard. Returns what ``build_stages`` returned."""
+        weights = prepare_weights(root, pretrained, self.root_device, pipelined=build_stages is not None)
+        settings = self.parallel_settings(mp_policy)
+        stages = None
+        if build_stages is not None:
+            stages = build_stages(settings)
+        else:
+            parallelize_plain(root, blocks, matched, settings)
+        finish_weights(root, weights, blocks, self.root_device, submesh(self.device_mesh, "dp"), self.cpu_offload)
+        return stages
+
+    def hook_step(
+        self, module: nn.Module, blocks: list[tuple[str, nn.Module]], runner: Any = None, root: nn.Module | None = None
+    ) -> None:
+        """Context parallel's and the load-balancing loss's hooks on the built model (``runner``: the pipeline's,
+        which cuts the schedule's inputs; ``root``: the module set up, where it is the model itself)."""
+        if self.context.enabled:
+            self.context.setup(module, [name for name, _ in blocks], self.device_mesh["cp"].get_group(), runner, root)
+        whole_step = runner is None
+        self.balance.setup(module, blocks, *self.token_groups(), whole_step, self.context.step_padding, root=root)
+
+    def describe_build(self, blocks: list[tuple[str, nn.Module]], matched: dict[str, Any], more: str = "") -> None:
+        rank_zero_info(
+            f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
+            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}{more}"
+        )
+
+    # ------------------------------------------------------------------ what Lightning and Fabric ask a strategy
+    def mesh_root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.mesh_root_device()
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """A sampler's split over the data-parallel ranks only: tp, cp and pp peers get the same batch."""
+        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:  # type: ignore[attr-defined]
+            rank = self.node_rank * self.num_processes + self.local_rank  # type: ignore[attr-defined]
+            self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)  # type: ignore[attr-defined]
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not compat.distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce_over_dp(self, tensor: Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Any:
+        """All-reduce ``tensor`` over ``group``, by default the data-parallel group (tp and pp peers and cp ranks
+        hold the same values and must not be counted again); anything but a tensor is returned as is."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self.dims.built:
+            group = self.dp_group
+        return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """A decision agreed over *every* rank (ModelCheckpoint's top-k, EarlyStopping, ...): all of them (``all``)
+        or any. Lightning's default sums the flag over :meth:`reduce`'s data-parallel group and compares it with the
+        world size: under tp or pp the two never match."""
+        if not compat.distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN if all else dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class MeshStrategy(MeshCollectives, ParallelStrategy):
+    """The Trainer's ``ParallelStrategy`` on one device mesh: ``reduce`` (``self.log(sync_dist=True)``) averages
+    over ``dp``; the precision plugin is always a :class:`~cuboid.step.precision.CuboidPrecision`."""
+
+    @property
+    @override
+    def precision_plugin(self) -> CuboidPrecision:
+        if not isinstance(self._precision_plugin, CuboidPrecision):
+            self._precision_plugin = CuboidPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = own_precision(plugin, CuboidPrecision)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce over the data-parallel group by default (what ``self.log(sync_dist=True)`` uses)."""
+        return self.reduce_over_dp(tensor, group, reduce_op)
