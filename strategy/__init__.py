@@ -3,9 +3,9 @@
 ``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")`` and
 ``Fabric(strategy="cuboid")`` (``cuboid.fabric.CuboidStrategy``, Fabric's door).
 
-The package's face: the names users import. Behind it, the wings (``cuboid.parallel``, ``cuboid.pipeline``,
-``cuboid.context``, ``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``) each name their own public API;
-``docs/architecture.md`` draws the house.
+This module holds the names most users import. Each part of Cuboid (``cuboid.parallel``, ``cuboid.pipeline``,
+``cuboid.context``, ``cuboid.experts``, ``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``,
+``cuboid.fabric``) lists its own in ``__all__``; ``docs/architecture.md`` shows how they fit together.
 """
 
 from importlib.metadata import PackageNotFoundError, version

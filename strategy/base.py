@@ -106,7 +106,7 @@ class MeshCollectives:
         check_ac_mode(activation_checkpointing)
         check_plan_styles(tensor_parallel_plan)
         self.context = ContextParallel(self.dims, compile, activation_checkpointing)
-        self.balance = LoadBalancing(load_balancing)
+        self.load_balancing = LoadBalancing(load_balancing)
         self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
         self.block_container = block_container
         self.activation_checkpointing = activation_checkpointing
@@ -220,7 +220,9 @@ class MeshCollectives:
         if self.context.enabled:
             self.context.setup(module, [name for name, _ in blocks], self.device_mesh["cp"].get_group(), runner, root)
         whole_step = runner is None
-        self.balance.setup(module, blocks, *self.token_groups(), whole_step, self.context.step_padding, root=root)
+        self.load_balancing.setup(
+            module, blocks, *self.token_groups(), whole_step, self.context.step_padding, root=root
+        )
 
     def describe_build(self, blocks: list[tuple[str, nn.Module]], matched: dict[str, Any], more: str = "") -> None:
         rank_zero_info(

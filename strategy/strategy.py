@@ -168,7 +168,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
-        self.faults = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
+        self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1
         self.buffers = BufferBroadcast(broadcast_buffers)
 
@@ -190,10 +190,10 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         root_dir = getattr(trainer, "default_root_dir", None) or os.getcwd()
         layout = self.start_mesh(
-            before_group=lambda backend: self.faults.before_process_group(root_dir, backend),
-            after_group=lambda: self.faults.after_process_group(self.global_rank, self.world_size),
+            before_group=lambda backend: self.job_guard.before_process_group(root_dir, backend),
+            after_group=lambda: self.job_guard.after_process_group(self.global_rank, self.world_size),
         )
-        self.faults.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
+        self.job_guard.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED)
         self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
@@ -204,12 +204,12 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A timed-out collective is named and every rank stopped; after another failed collective the watchdog
         gets its few seconds to name a dead rank (see :class:`cuboid.job.JobGuard`)."""
-        self.faults.on_exception(exception)
+        self.job_guard.on_exception(exception)
 
     @property
     def preempted_to(self) -> Path | None:
         """The checkpoint a preemption signal made the last ``fit`` save, if any."""
-        return self.faults.preempted_to
+        return self.job_guard.preempted_to
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -228,9 +228,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self._parallelize(lm)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
-        self.faults.extra_group(self.checkpointer.group)
+        self.job_guard.extra_group(self.checkpointer.group)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.faults.setup(trainer, fitting, self.checkpointer.failure, self.checkpointer.settle)
+        self.job_guard.setup(trainer, fitting, self.checkpointer.failure, self.checkpointer.settle)
         self.model_to_device()
         self.buffers.setup(lm, self.dp_group)
         self.barrier()
@@ -291,7 +291,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         self.buffers.sync()
-        with self.context.step(), self.balance.step(), self.loss_parallel.step(self.lightning_module):
+        with self.context.step(), self.load_balancing.step(), self.loss_parallel.step(self.lightning_module):
             return plain_output(step(*args, **kwargs))
 
     @override
@@ -303,7 +303,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
         self.buffers.sync()
-        with self.context.step(), self.balance.step():
+        with self.context.step(), self.load_balancing.step():
             return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
 
     @override
@@ -330,7 +330,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
         self.buffers.sync()
-        with self.context.step(), self.balance.step():
+        with self.context.step(), self.load_balancing.step():
             return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
 
     @override
@@ -347,9 +347,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     @override
     def teardown(self) -> None:
-        self.faults.teardown()  # first: a peer that finishes earlier must not look dead
+        self.job_guard.teardown()  # first: a peer that finishes earlier must not look dead
         self.checkpointer.wait(raise_error=False)  # a failed background save was raised at the step after it
-        self.faults.after_teardown()
+        self.job_guard.after_teardown()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

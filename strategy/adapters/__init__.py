@@ -1,4 +1,4 @@
-"""Adapters wing: PEFT's LoRA layers inside a sharded model (which tensors are the adapter's, the base's names in
+"""Adapters: PEFT's LoRA layers inside a sharded model (which tensors are the adapter's, the base's names in
 its own files and in PEFT's adapter files, PEFT's own init on meta)."""
 
 from cuboid.adapters.lora import (

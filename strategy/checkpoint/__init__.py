@@ -1,4 +1,4 @@
-"""The checkpoint wing: the formats (Cuboid's sharded directory and full file, Lightning's strategies'
+"""Checkpoints: the formats (Cuboid's sharded directory and full file, Lightning's strategies'
 directories) behind one interface, the checkpointer that saves, loads, links and removes them, resuming,
 pretrained weights read per shard, and the export to safetensors or a Hugging Face directory."""
 

@@ -1,4 +1,4 @@
-"""The context-parallel wing: each sequence split over cp ranks (load-balanced for causal attention), exact
+"""Context parallel: each sequence split over cp ranks (load-balanced for causal attention), exact
 attention across the shards, and a user's unchanged step run on them (inputs, attention, loss)."""
 
 from cuboid.context.attention import (

@@ -1,4 +1,4 @@
-"""The expert-parallel wing: the experts of every mixture-of-experts layer split over ranks, each chosen
+"""Expert parallel: the experts of every mixture-of-experts layer split over ranks, each chosen
 (token, expert) pair sent to the rank holding its expert and back (all-to-alls with uneven splits), the router
 left as the model defines it, its load-balancing loss summed over the step's ranks (``balance``)."""
 

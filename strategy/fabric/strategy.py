@@ -220,7 +220,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
 
     @contextmanager
     def _step(self) -> Generator[None, None, None]:
-        with self.context.step() if self.context.enabled else nullcontext(), self.balance.step():
+        with self.context.step() if self.context.enabled else nullcontext(), self.load_balancing.step():
             yield
 
     # ------------------------------------------------------------------ the step's numerics and collectives

@@ -1,4 +1,4 @@
-"""The job wing: a job's life outside the step. Launching, stopping together on preemption and requeueing,
+"""A job's life outside the training step: launching, stopping together on preemption and requeueing,
 the dead-rank watchdog, hung collectives, even batches across ranks, the run directory's lock, and
 :class:`JobGuard`, which the strategy holds."""
 

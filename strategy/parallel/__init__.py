@@ -1,4 +1,4 @@
-"""The parallel wing: the device mesh, tensor-parallel plans and styles, and how a model is parallelized
+"""Data and tensor parallel: the device mesh, tensor-parallel plans and styles, and how a model is parallelized
 (TP -> activation checkpointing -> compile -> FSDP2) and its weights materialized."""
 
 from cuboid.parallel.batchnorm import DataParallelBatchNorm, convert_batchnorm, sync_batchnorm

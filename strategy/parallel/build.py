@@ -1,7 +1,7 @@
 """The plain build of a LightningModule (no pipeline), and the weight handling every build shares.
 
 The strategy decides the route (torchtitan's ``train.py`` pattern): without pipeline parallelism
-:func:`parallelize_plain` shards the whole LightningModule; with it, the pipeline wing keeps this rank's stages
+:func:`parallelize_plain` shards the whole LightningModule; with it, the pipeline code keeps this rank's stages
 and calls :func:`cuboid.parallel.parallelize.parallelize` on each. Either way, weights are prepared before
 (:func:`prepare_weights`: what was built for real gets rank 0's values, what was built on meta keeps a meta twin
 for rank 0's init, pretrained sources are checked) and filled after (:func:`finish_weights`), once sharded.

@@ -1,4 +1,4 @@
-"""The pipeline wing: cutting a model into stages (a Hugging Face decoder as it is, or a model written for Cuboid's
+"""Pipeline parallel: cutting a model into stages (a Hugging Face decoder as it is, or a model written for Cuboid's
 contract), the runner that replays a LightningModule's own step hooks per microbatch, the step's results on every
 rank, and :class:`Pipelining`, the strategy's pipeline."""
 

@@ -1,4 +1,4 @@
-"""The planning wing: knowing before launching. The layout planner and its formulas, setup's fit check
+"""Knowing before launching: the layout planner and its formulas, setup's fit check
 (:mod:`cuboid.planning.capacity`), the dry run on fake ranks, and the communication ledger."""
 
 from cuboid.planning.capacity import Estimate, check_fits, device_bytes, held_bytes, local_nbytes, refuse_if_too_big

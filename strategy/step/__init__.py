@@ -1,4 +1,4 @@
-"""The step wing: the numerics of one training step across the mesh. Precision (FSDP2's mixed-precision
+"""The training step: the numerics of one training step across the mesh. Precision (FSDP2's mixed-precision
 policy), the global gradient norm and clipping, the non-finite guard, and loss parallel."""
 
 from cuboid.step.grad_norm import clip_grad_norm_, global_grad_norm
