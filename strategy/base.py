@@ -130,15 +130,15 @@ class MeshCollectives:
         reset_seed()
         self.set_world_ranks()
         layout = self.dims.resolve(self.world_size)  # type: ignore[attr-defined]
-        backend = self._process_group_backend or compat.default_process_group_backend(self.mesh_root_device())
+        device = self.mesh_root_device()
+        backend = self._process_group_backend or compat.default_process_group_backend(device)
         self._process_group_backend = backend
         if before_group is not None:
             before_group(backend)
-        env, device = self.cluster_environment, self.mesh_root_device()  # type: ignore[attr-defined]
-        start_process_group(env, backend, device, self._timeout)
+        start_process_group(self.cluster_environment, backend, device, self._timeout)  # type: ignore[attr-defined]
         if after_group is not None:
             after_group()
-        self.dims.build(self.mesh_root_device().type)
+        self.dims.build(device.type)
         return layout
 
     def parallel_settings(self, mp_policy: Any) -> ParallelSettings:

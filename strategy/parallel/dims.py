@@ -1,6 +1,6 @@
 """The one record of a run's layout: :class:`ParallelDims` holds the degrees (a :class:`~cuboid.parallel.mesh.Layout`),
 resolves them against the world size, builds the meshes from them and answers the questions the rest of Cuboid asks
-("is cp on?", "which ranks read different data?"). Context parallel, the pipeline, the expert wiring and both doors
+("which ranks read different data?"). Context parallel, the pipeline, the expert wiring and both doors
 read their degrees here and keep none of their own (torchtitan's ``ParallelDims`` is the pattern).
 """
 
@@ -28,7 +28,7 @@ class ParallelDims:
         self._dp_mesh: DeviceMesh | None = None
         self.experts: ExpertsLayout | None = None  # under ep > 1: the meshes each MoE layer's experts use
 
-    # ------------------------------------------------------------------ degrees
+    # ------------------------------------------------------------------ degrees (read by Pipelining and ContextParallel)
     @property
     def pp(self) -> int:
         return self.layout.pp
@@ -36,29 +36,6 @@ class ParallelDims:
     @property
     def cp(self) -> int:
         return self.layout.cp
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def ep(self) -> int:
-        return self.layout.ep
-
-    @property
-    def pp_enabled(self) -> bool:
-        """Pipeline stages over ``pp > 1`` ranks."""
-        return self.layout.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        """Each sequence split over ``cp > 1`` ranks."""
-        return self.layout.cp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        """Each MoE layer's experts split over ``ep > 1`` ranks."""
-        return self.layout.ep > 1
 
     def resolve(self, world_size: int) -> Layout:
         """Fill ``"auto"`` from ``world_size`` and keep the result; raise ``LayoutError`` for sizes that cannot
