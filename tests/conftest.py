@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 # SLURM's commands, shadowed for the whole session by decoys: a call that carries the suite's own cluster's
 # SLURM_CONF (tests/job/test_local_cluster.py brings it up, scripts/slurm/local_cluster.sh) goes to the real command;
@@ -14,6 +17,7 @@ from pathlib import Path
 # on a cluster's login node job 4242 may be someone's).
 SLURM_COMMANDS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sacct", "sinfo")
 PRIVATE_CONF_VAR = "CUBOID_TEST_SLURM_CONF"  # set by the local-cluster fixture to its slurm.conf
+_DECOY_PREFIX = os.path.join(tempfile.gettempdir(), "cuboid-slurm-decoys-")
 _DECOYS = Path(tempfile.mkdtemp(prefix="cuboid-slurm-decoys-"))
 DECOY_LOG = _DECOYS / "calls.log"
 
@@ -22,7 +26,8 @@ def pytest_configure(config) -> None:
     # The suite's own interpreter first: what the tests start as `python` (SLURM jobs, Lightning's launcher, shell
     # scripts) is the interpreter running the suite, also from a virtual environment that was not activated.
     here = os.path.dirname(sys.executable)
-    path = os.environ.get("PATH", "")
+    # (a worker of pytest -n N inherits the controller's PATH: its decoys make way for the worker's own)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if not p.startswith(_DECOY_PREFIX))
     if path.split(os.pathsep)[0] != here:
         path = f"{here}{os.pathsep}{path}"
     for name in SLURM_COMMANDS:
@@ -36,21 +41,102 @@ def pytest_configure(config) -> None:
         )
         decoy.chmod(0o755)
     os.environ["PATH"] = f"{_DECOYS}{os.pathsep}{path}"
+    # Several workers (pytest -n N): the lock that keeps the timed fault tests alone (harness.SuiteLock), made by the
+    # controller before its workers start, so that they inherit its path.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ["CUBOID_SUITE_LOCK"] = str(_DECOYS / "suite.lock")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The quick tier (``-m quick``): every test not marked slow joins it; a slow one joins by its own mark."""
-    import pytest
-
     for item in items:
         if item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
+    if hasattr(config, "workerinput"):  # a worker of pytest -n N: the modules that take longest start first
+        first = {module: rank for rank, module in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
+
+# The modules that take longest (seconds of the whole module on the 2-core machine, serial run at a9ecaf3), started
+# first under pytest -n N, so that no long module starts while the other workers are finishing; the rest follow in
+# the order of collection. Each module runs whole on one worker (its module fixture runs once).
+LONGEST_FIRST = (
+    "tests/parallel/test_parity.py",  # 200
+    "tests/job/test_local_cluster.py",  # 175, mostly SLURM's waits
+    "tests/job/test_shell.py",  # 120
+    "tests/context/test_context_parallel.py",  # 110
+    "tests/job/test_stopping.py",  # 86
+    "tests/test_install.py",  # 80
+    "tests/experts/test_expert_parallel.py",  # 75
+    "tests/job/test_exit.py",  # 73
+    "tests/checkpoint/test_checkpoint.py",  # 60
+    "tests/pipeline/test_pipeline_hf.py",  # 55
+    "tests/job/test_hangs.py",  # 50
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n N hands out whole modules (their module fixtures run once), in the order the workers collected them
+    (LONGEST_FIRST, then the rest)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest -n N a test marked ``alone`` runs while no other worker runs a test (harness.SuiteLock)."""
+    import harness
+
+    with harness.SUITE_LOCK.hold(exclusive=item.get_closest_marker("alone") is not None):
+        yield
+
+
+def _seen() -> dict:
+    """What this process recorded for the session's summary: tests/harness.py's spec times and fresh interpreters,
+    the SLURM commands its decoys caught, test_parity's tables."""
+    harness, parity = sys.modules.get("harness"), sys.modules.get("test_parity")
+    return {
+        "spec_times": list(getattr(harness, "SPEC_TIMES", [])),
+        "fallbacks": list(getattr(harness, "FALLBACKS", [])),
+        "slurm_calls": DECOY_LOG.read_text() if DECOY_LOG.exists() else "",
+        "parity": dict(getattr(parity, "PARITY_TABLE", {})),
+        "planner": dict(getattr(parity, "PLANNER_TABLE", {})),
+        "fit": dict(getattr(parity, "FIT_TABLE", {})),
+    }
+
+
+_FROM_WORKERS: list[dict] = []  # under pytest -n N, in the controller: what each worker recorded (_seen)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    seen = getattr(node, "workeroutput", {}).get("cuboid")
+    if seen:
+        _FROM_WORKERS.append(json.loads(seen))
+
+
+def _session_seen() -> dict:
+    merged = _seen()
+    for seen in _FROM_WORKERS:
+        for key, value in seen.items():
+            if isinstance(value, dict):
+                merged[key].update(value)
+            else:
+                merged[key] += value
+    return merged
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """A call that reached a SLURM command fails the run, naming it."""
-    if DECOY_LOG.exists() and DECOY_LOG.read_text().strip():
-        session.config._cuboid_slurm_calls = DECOY_LOG.read_text()
+    """A call that reached a SLURM command fails the run, naming it (a worker hands what it saw to the controller)."""
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput["cuboid"] = json.dumps(_seen())
+        return
+    calls = _session_seen()["slurm_calls"].strip()
+    if calls:
+        session.config._cuboid_slurm_calls = calls
         session.exitstatus = 1
 
 
@@ -62,39 +148,37 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    """Print the parity table (layout -> measured errors) when the parity tests ran, and any SLURM command a test
-    reached."""
-    harness = sys.modules.get("harness")
-    if harness is not None and harness.SPEC_TIMES:
-        total = sum(t for t, *_ in harness.SPEC_TIMES)
-        terminalreporter.section(f"slowest specs ({len(harness.SPEC_TIMES)} specs, {total:.0f} s on rank 0 in all)")
-        for seconds, ranks, name, script in sorted(harness.SPEC_TIMES, reverse=True)[:25]:
-            terminalreporter.write_line(f"{seconds:7.1f} s  {ranks} ranks  {name}  ({script})")
-    if harness is not None and harness.FALLBACKS:
-        terminalreporter.section(f"{len(harness.FALLBACKS)} python runs not forked (a fresh interpreter each)")
-        for why, cmd in harness.FALLBACKS:
-            terminalreporter.write_line(f"{why}: {cmd}")
+    """Print the slowest specs, the python runs not forked, any SLURM command a test reached, and the parity,
+    planner and fit tables when the parity tests ran (from every worker under pytest -n N)."""
+    seen = _session_seen()
+    write = terminalreporter.write_line
+    if seen["spec_times"]:
+        total = sum(t for t, *_ in seen["spec_times"])
+        terminalreporter.section(f"slowest specs ({len(seen['spec_times'])} specs, {total:.0f} s on rank 0 in all)")
+        for seconds, ranks, name, script in sorted(seen["spec_times"], reverse=True)[:25]:
+            write(f"{seconds:7.1f} s  {ranks} ranks  {name}  ({script})")
+    if seen["fallbacks"]:
+        terminalreporter.section(f"{len(seen['fallbacks'])} python runs not forked (a fresh interpreter each)")
+        for why, cmd in seen["fallbacks"]:
+            write(f"{why}: {cmd}")
     calls = getattr(config, "_cuboid_slurm_calls", None)
     if calls:
         terminalreporter.section("SLURM commands reached during the suite (the run fails)")
-        terminalreporter.write_line(calls)
-    table = getattr(sys.modules.get("test_parity"), "PARITY_TABLE", None)
-    if not table:
+        write(calls)
+    if not seen["parity"]:
         return
     terminalreporter.section("parity vs single-process fp32 (bound: loss rel 1e-5, params abs 1e-5)")
-    terminalreporter.write_line(f"{'layout':50s} {'max rel loss err':>18s} {'max abs param err':>18s}")
-    for name, (loss_err, param_err) in table.items():
-        terminalreporter.write_line(f"{name:50s} {loss_err:18.2e} {param_err:18.2e}")
-    planner = getattr(sys.modules.get("test_parity"), "PLANNER_TABLE", None)
-    if planner:
+    write(f"{'layout':50s} {'max rel loss err':>18s} {'max abs param err':>18s}")
+    for name, (loss_err, param_err) in seen["parity"].items():
+        write(f"{name:50s} {loss_err:18.2e} {param_err:18.2e}")
+    if seen["planner"]:
         terminalreporter.section("planner persistent bytes vs measured (bound: 10%)")
-        terminalreporter.write_line(f"{'layout':50s} {'worst |est/meas - 1|':>20s} {'measured B/rank':>16s}")
-        for name, (worst, measured) in planner.items():
-            terminalreporter.write_line(f"{name:50s} {worst:20.2%} {measured:16.0f}")
-    fit = getattr(sys.modules.get("test_parity"), "FIT_TABLE", None)
-    if fit:
+        write(f"{'layout':50s} {'worst |est/meas - 1|':>20s} {'measured B/rank':>16s}")
+        for name, (worst, measured) in seen["planner"].items():
+            write(f"{name:50s} {worst:20.2%} {measured:16.0f}")
+    if seen["fit"]:
         terminalreporter.section(
             "cuboid.planning.capacity parameter bytes estimated before sharding vs measured (bound: 10%)"
         )
-        for name, worst in fit.items():
-            terminalreporter.write_line(f"{name:50s} {worst:20.2%}")
+        for name, worst in seen["fit"].items():
+            write(f"{name:50s} {worst:20.2%}")

@@ -336,7 +336,51 @@ def kill_session(leader: int, grace: float = 3.0) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+class SuiteLock:
+    """What keeps a timed test of faults alone when the suite runs on several workers (``pytest -n 2``).
+
+    A test marked ``alone`` (its assertions bound how many seconds a fault takes to end a run) holds the lock
+    exclusively; every other test marked ``slow``, and every launch and ``python`` run, hold it shared. So an
+    ``alone`` test starts once the other workers' current multi-process work has ended, and their next waits
+    until it is done. A turnstile in front keeps the exclusive request from waiting forever behind a stream of
+    shared ones. One process holds it once: a request made while this process holds it in either mode is part of
+    that hold. Without ``CUBOID_SUITE_LOCK`` (one pytest process; tests/conftest.py sets it for the workers) it
+    does nothing."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool = False):
+        import fcntl
+
+        path = os.environ.get("CUBOID_SUITE_LOCK")
+        if not path or self.depth:
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+            return
+        with open(f"{path}.turnstile", "a") as gate, open(path, "a") as lock:
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_EX)  # held until the exclusive hold ends: no new shared hold starts
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            else:
+                fcntl.flock(gate, fcntl.LOCK_SH)  # waits while an exclusive request is queued or held
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 FORKSERVER = ForkServer()
+SUITE_LOCK = SuiteLock()
 # (seconds, ranks, spec, worker script) of every spec SpecRuns launched: the slowest are printed at the end of the
 # session (tests/conftest.py), where the suite's time goes inside its module fixtures.
 SPEC_TIMES: list[tuple[float, int, str, str]] = []

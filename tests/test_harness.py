@@ -41,3 +41,49 @@ def test_a_server_whose_suite_died_stops_and_removes_its_directory() -> None:
     from pathlib import Path
 
     assert not Path(where).exists()
+
+
+def test_an_alone_test_waits_for_the_others_and_holds_them_off(tmp_path, monkeypatch) -> None:
+    """harness.SuiteLock (pytest -n N): an exclusive hold waits for the shared one in progress, and a shared request
+    made while it waits queues behind it; a hold inside a hold of the same process is part of it."""
+    import threading
+
+    from harness import SuiteLock
+
+    monkeypatch.setenv("CUBOID_SUITE_LOCK", str(tmp_path / "suite.lock"))
+    events: list[str] = []
+    first_in, let_first_go = threading.Event(), threading.Event()
+
+    def first() -> None:  # a worker's test in progress
+        lock = SuiteLock()
+        with lock.hold():
+            with lock.hold(exclusive=True):  # nested: no second request, no deadlock with itself
+                events.append("first in")
+            first_in.set()
+            let_first_go.wait(10)
+            events.append("first out")
+
+    def alone() -> None:
+        first_in.wait(10)
+        with SuiteLock().hold(exclusive=True):
+            events.append("alone in")
+            time.sleep(0.2)
+            events.append("alone out")
+
+    def later() -> None:
+        with SuiteLock().hold():
+            events.append("later in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=alone)]
+    for thread in threads:
+        thread.start()
+    first_in.wait(10)
+    time.sleep(0.3)  # the exclusive request is queued
+    threads.append(threading.Thread(target=later))
+    threads[-1].start()
+    time.sleep(0.3)
+    assert events == ["first in"]
+    let_first_go.set()
+    for thread in threads:
+        thread.join(10)
+    assert events == ["first in", "first out", "alone in", "alone out", "later in"]

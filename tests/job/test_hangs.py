@@ -18,6 +18,7 @@ def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tu
     return code, out, closed, ranks
 
 
+@pytest.mark.alone  # its seconds are bounded
 @pytest.mark.slow
 def test_a_stuck_rank_times_out_with_the_collective_its_dimension_and_the_rank_named(tmp_path) -> None:
     """dp2 x tp2, timeout 4 s: rank 1 sleeps in training_step (alive, heartbeating). Its tp peer (rank 0) and dp

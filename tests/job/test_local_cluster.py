@@ -249,6 +249,7 @@ def test_preempted_by_scancel_usr1_the_job_requeues_itself_and_resumes_the_same_
     assert not _job_processes(job_id)
 
 
+@pytest.mark.alone  # its seconds are bounded
 @pytest.mark.slow
 def test_a_task_killed_on_one_node_ends_the_whole_job_within_seconds_naming_the_dead_rank(
     cluster: Path, cache: str, tmp_path: Path

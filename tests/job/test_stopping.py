@@ -60,6 +60,7 @@ def test_preemption_saves_once_stops_every_rank_and_resumes_the_single_process_c
         assert err <= PARAM_ATOL, (name, err)
 
 
+@pytest.mark.alone  # its seconds are bounded
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
 @pytest.mark.parametrize("victim", [1, 0])
