@@ -90,8 +90,24 @@ def pytest_runtest_protocol(item, nextitem):
     """Under pytest -n N a test marked ``alone`` runs while no other worker runs a test (harness.SuiteLock)."""
     import harness
 
+    busy = _cpu_seconds() if CPU_LOG else 0.0
     with harness.SUITE_LOCK.hold(exclusive=item.get_closest_marker("alone") is not None):
         yield
+    if CPU_LOG:  # one line per test: the machine's CPU-seconds while it ran (module fixtures: its first test)
+        with open(CPU_LOG, "a") as log:
+            log.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - busy, 1)}) + "\n")
+
+
+# CUBOID_TEST_CPU_LOG=FILE: where the suite's CPU goes (run it alone, on one worker: the machine's busy time is
+# charged to the test running).
+CPU_LOG = os.environ.get("CUBOID_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    """CPU-seconds the whole machine has been busy (every core; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _seen() -> dict:
