@@ -87,7 +87,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under pytest -n N a test marked ``alone`` runs while no other worker runs a test (harness.SuiteLock)."""
+    """Under pytest -n N a test marked ``alone`` runs while no other worker runs a test (harness.SuiteLock); with
+    CUBOID_TEST_CPU_LOG, each test's CPU-seconds are written there."""
     import harness
 
     busy = _cpu_seconds() if CPU_LOG else 0.0
