@@ -339,13 +339,12 @@ def kill_session(leader: int, grace: float = 3.0) -> None:
 class SuiteLock:
     """What keeps a timed test of faults alone when the suite runs on several workers (``pytest -n 2``).
 
-    A test marked ``alone`` (its assertions bound how many seconds a fault takes to end a run) holds the lock
-    exclusively; every other test marked ``slow``, and every launch and ``python`` run, hold it shared. So an
-    ``alone`` test starts once the other workers' current multi-process work has ended, and their next waits
-    until it is done. A turnstile in front keeps the exclusive request from waiting forever behind a stream of
-    shared ones. One process holds it once: a request made while this process holds it in either mode is part of
-    that hold. Without ``CUBOID_SUITE_LOCK`` (one pytest process; tests/conftest.py sets it for the workers) it
-    does nothing."""
+    Every test holds it for its setup, call and teardown (tests/conftest.py): a test marked ``alone`` (its
+    assertions bound how many seconds a fault takes to end a run) exclusively, every other test shared. So an
+    ``alone`` test starts once the other workers' current tests have ended, and their next ones wait until it is
+    done. A turnstile in front keeps the exclusive request from waiting forever behind a stream of shared ones.
+    A request made while this process holds it, in either mode, is part of that hold. Without
+    ``CUBOID_SUITE_LOCK`` (one pytest process; tests/conftest.py sets it for the workers) it does nothing."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -355,28 +354,21 @@ class SuiteLock:
         import fcntl
 
         path = os.environ.get("CUBOID_SUITE_LOCK")
-        if not path or self.depth:
+        with contextlib.ExitStack() as files:  # closing a file releases its flock
+            if path and not self.depth:
+                gate, lock = (files.enter_context(open(p, "a")) for p in (f"{path}.turnstile", path))
+                if exclusive:  # the turnstile stays held: no new shared hold starts until this one ends
+                    fcntl.flock(gate, fcntl.LOCK_EX)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                else:  # waits while an exclusive request is queued or held
+                    fcntl.flock(gate, fcntl.LOCK_SH)
+                    fcntl.flock(lock, fcntl.LOCK_SH)
+                    fcntl.flock(gate, fcntl.LOCK_UN)
             self.depth += 1
             try:
                 yield
             finally:
                 self.depth -= 1
-            return
-        with open(f"{path}.turnstile", "a") as gate, open(path, "a") as lock:
-            if exclusive:
-                fcntl.flock(gate, fcntl.LOCK_EX)  # held until the exclusive hold ends: no new shared hold starts
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            else:
-                fcntl.flock(gate, fcntl.LOCK_SH)  # waits while an exclusive request is queued or held
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                fcntl.flock(gate, fcntl.LOCK_UN)
-            self.depth += 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
-                fcntl.flock(lock, fcntl.LOCK_UN)
-                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 FORKSERVER = ForkServer()

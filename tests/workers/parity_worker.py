@@ -322,7 +322,6 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
         strategy.wait_for_checkpoint()
-    pp1_llama = strategy.layout.pp == 1 and family == "llama"
     placements = {
         n: (
             list(p.device_mesh.mesh_dim_names),
@@ -344,7 +343,9 @@ def run(spec: dict, out_dir: Path) -> None:
         "dp_rank": strategy.dp_mesh.get_local_rank(),
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
         # (not for compiled blocks: its batch of 2 would make Dynamo compile every block again, for dynamic shapes)
-        "backward_ops": backward_ops(module) if pp1_llama and not compiled_graphs else None,
+        "backward_ops": (
+            backward_ops(module) if strategy.layout.pp == 1 and family == "llama" and not compiled_graphs else None
+        ),
         "params": sorted(n for n, _ in module.named_parameters()),
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         "compiled_graphs": compiled_graphs,
