@@ -55,7 +55,7 @@ class ContextParallel:
         self._seq: tuple[int, int] | None = None  # (batch, seq_len) of the last forward this step
         self._key_padding: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None  # the last forward's whole (batch, seq) padding mask, if any
-        self._attention_calls = 0
+        self._attention_seen = False  # set (never read) by attention: a compiled block gets no guard on it
         self._checked = False
         self._inside = False
         self._transformers = False  # a transformers model: the padding mask rides along as KEY_PADDING
@@ -105,7 +105,7 @@ class ContextParallel:
             yield
         if self._seq is not None and not self._checked:
             self._checked = True
-            if not self._attention_calls:
+            if not self._attention_seen:
                 raise ContextParallelError(
                     f"context_parallel={self.size}: the model ran without one attention call Cuboid can split. "
                     "Context parallel replaces torch.nn.functional.scaled_dot_product_attention (plain PyTorch "
@@ -228,7 +228,7 @@ class ContextParallel:
         """Exact attention of this rank's queries over the whole sequence (padding from ``attention_mask``: the
         step's, or ``key_padding`` given with this call)."""
         assert self.group is not None
-        self._attention_calls += 1
+        self._attention_seen = True  # a store, not a count: reading it would make Dynamo recompile per call
         seq_len = query.shape[2] * self.size
         if self._seq is not None and seq_len != self._seq[1]:
             raise ContextParallelError(

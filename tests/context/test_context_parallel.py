@@ -114,7 +114,9 @@ def test_context_parallel_matches_single_process(name: str, results) -> None:
     dims = {tuple(d) for facts in got["ranks"] for d, *_ in facts["placements"].values()}
     assert all(("dp_shard_cp" in d) for d in dims), dims
     if sizes.get("compile"):
-        assert all(r["compiled_graphs"] > 0 for r in got["ranks"])
+        # One graph for every block and step: the context-parallel attention leaves Dynamo nothing to recompile on.
+        # (A call counter it read made each call recompile until Dynamo's limit of 8, then run the blocks eagerly.)
+        assert [r["compiled_graphs"] for r in got["ranks"]] == [1] * len(got["ranks"])
 
 
 @pytest.mark.slow
