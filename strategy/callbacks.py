@@ -1,5 +1,5 @@
 """Cuboid's callbacks: :class:`CuboidMonitor`, per-step training telemetry (global grad norm, tokens/s, FLOP/s,
-MFU and peak memory per rank), and :class:`~cuboid.planning.ledger.CommLedger`, the communication ledger.
+MFU and peak memory per rank), and :class:`~cuboid.measure.CommLedger`, the communication ledger.
 
 Values are global, so every rank computes the same number and logs it once (rank 0's logger).
 Tokens/s counts data-parallel ranks only: tensor- and pipeline-parallel peers see the same
@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from cuboid.compat import should_accumulate
 from cuboid.experts import ExpertLoad
+from cuboid.measure import CommLedger
 from cuboid.parallel import dim_groups
-from cuboid.planning import CommLedger
 from cuboid.step import global_grad_norm
 
 __all__ = ["CommLedger", "CuboidMonitor", "device_peak_flops", "peak_flops", "peak_memory_bytes"]

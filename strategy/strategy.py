@@ -27,6 +27,8 @@ from cuboid import compat
 from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks
 from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
+from cuboid.measure import Estimate, check_fits, device_bytes, refuse_if_too_big
+from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
     FLATTENED,
     MESH_NAMES,
@@ -41,7 +43,6 @@ from cuboid.parallel import (
     with_loss_parallel,
 )
 from cuboid.pipeline import Pipelining, batch_and_index
-from cuboid.planning import Estimate, check_fits, device_bytes, estimate_fit, refuse_if_too_big
 from cuboid.step import CuboidPrecision, LossParallel, NonFiniteGuard, plain_output
 
 if TYPE_CHECKING:

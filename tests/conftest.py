@@ -194,8 +194,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         for name, (worst, measured) in seen["planner"].items():
             write(f"{name:50s} {worst:20.2%} {measured:16.0f}")
     if seen["fit"]:
-        terminalreporter.section(
-            "cuboid.planning.capacity parameter bytes estimated before sharding vs measured (bound: 10%)"
-        )
+        terminalreporter.section("cuboid.measure's parameter bytes estimated before sharding vs measured (bound: 10%)")
         for name, worst in seen["fit"].items():
             write(f"{name:50s} {worst:20.2%}")

@@ -219,7 +219,7 @@ def parity_errors(got: dict, ref: Reference, steps: slice = slice(None)) -> tupl
 
 
 def fit_estimate_error(ranks: list[dict]) -> float:
-    """The worst |estimate / measured - 1| over ranks, of cuboid.planning.capacity's parameter bytes per rank (counted from the
+    """The worst |estimate / measured - 1| over ranks, of cuboid.measure's parameter bytes per rank (counted from the
     unsharded module before sharding) against the rank's measured DTensor local parameter bytes."""
     worst = 0.0
     for facts in ranks:

@@ -88,8 +88,8 @@ def _torchrun_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
 def _too_big_for_the_device() -> None:
     """What setup checks on a GPU before materializing anything: a 3.3 B-parameter fp32 Llama (built on meta) on 8
     ranks of a 2 GiB device."""
+    from cuboid.measure import estimate, refuse_if_too_big
     from cuboid.pipeline.pipelining import Pipelining
-    from cuboid.planning.capacity import estimate, refuse_if_too_big
 
     cfg = LlamaConfig(vocab_size=32000, dim=4096, n_layers=14, n_heads=32, n_kv_heads=8, ffn_dim=14336)
     lm = _Wrapper(cfg)

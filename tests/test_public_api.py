@@ -49,8 +49,10 @@ PUBLIC = [
     "cuboid.callbacks.CommLedger",
     "cuboid.planning.plan",
     "cuboid.planning.expected",
+    "cuboid.measure.CommLedger",
     "cuboid.checkpoint.CheckpointFormat",
     "cuboid.data.TokenDataModule",
+    "cuboid.train.data.TokenDataModule",
     "cuboid.train.main",
     "cuboid.parallel.DataParallelBatchNorm",
     "cuboid.parallel.BufferBroadcast",
@@ -71,11 +73,24 @@ FLOORS = {
     "experts": 1,
     "pipeline": 3,
     "job": 3,
-    "planning": 4,
+    "measure": 4,  # setup's fit check and the ledger: what a run holds and sends, measured while it runs
+    "planning": 5,  # the offline planner; its dry run uses measure's fit count
     "base": 4,  # what both doors share (strategy/base.py, beside strategy.py)
     "fabric": 5,  # Fabric's door, beside strategy.py (the Trainer's): it uses the wings as the Trainer glue does
 }
-WINGS = ("adapters", "parallel", "context", "experts", "pipeline", "checkpoint", "job", "step", "planning", "fabric")
+WINGS = (
+    "adapters",
+    "parallel",
+    "context",
+    "experts",
+    "pipeline",
+    "checkpoint",
+    "job",
+    "step",
+    "measure",
+    "planning",
+    "fabric",
+)
 
 
 def _resolve(dotted: str) -> object:
@@ -111,9 +126,20 @@ def test_hydra_targets_resolve() -> None:
                     stack.extend(node.values())
                 elif isinstance(node, list):
                     stack.extend(node)
-    assert "cuboid.CuboidStrategy" in targets and "cuboid.data.TokenDataModule" in targets
+    assert "cuboid.CuboidStrategy" in targets and "cuboid.train.data.TokenDataModule" in targets
     for target in targets:
         assert _resolve(target) is not None, target
+
+
+def test_the_data_module_keeps_its_earlier_name() -> None:
+    """The main job's data module lives with the main job (``cuboid.train.data``); configs and scripts that name it
+    ``cuboid.data`` get the very same objects."""
+    import cuboid.data
+    import cuboid.train.data
+
+    assert cuboid.data.__all__ and all(
+        getattr(cuboid.data, n) is getattr(cuboid.train.data, n) for n in cuboid.data.__all__
+    )
 
 
 @pytest.mark.parametrize(

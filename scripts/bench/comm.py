@@ -4,8 +4,8 @@
     python scripts/bench.py --suite comm --world 2    # only the 2-process layouts
 
 A benchmark, not a test. The main job's ``cuboid.models.CausalLM`` on a small Llama (fp32, gloo) trains
-``--steps`` steps with :class:`cuboid.planning.ledger.CommLedger`; the last step's table, per pp rank, is set beside
-:func:`cuboid.planning.ledger.expected` (FSDP, HSDP, TP and PP terms), with the ratio measured / expected for each mesh
+``--steps`` steps with :class:`cuboid.measure.CommLedger`; the last step's table, per pp rank, is set beside
+:func:`cuboid.planning.expected` (FSDP, HSDP, TP and PP terms), with the ratio measured / expected for each mesh
 dimension and collective kind. Collectives outside the model (gradient-norm and logging all-reduces, Cuboid's
 per-step agreement) are listed as "other". The "moe-" layouts train 4 experts per block, top-2, at expert_parallel=2:
 their ``ep`` row is the mean over the ranks (each rank's share follows the routing). Writes ``docs/bench/comm.json``.
@@ -26,9 +26,10 @@ from launch import launch_per_world, per_world_parser, write_results
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
+from cuboid.measure import CommLedger
 from cuboid.models import CausalLM, LlamaConfig
+from cuboid.planning import expected
 from cuboid.planning.estimate import Setup, Shape
-from cuboid.planning.ledger import CommLedger, expected
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 # The "moe-" layouts train the same Llama with 4 experts of width 64 per block, top-2 (cuboid.models.moe).

@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
 from cuboid.experts import experts_modules
+from cuboid.measure import held_bytes, local_nbytes
 from cuboid.models import CausalLM, LlamaConfig
-from cuboid.planning.capacity import held_bytes, local_nbytes
 
 CFG = LlamaConfig(vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=256)
 BATCH, SEQ, STEPS = 4, 128, 3

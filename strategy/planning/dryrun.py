@@ -5,7 +5,7 @@ would (tensor-parallel plan checked against the sizes, FSDP2 per block) inside o
 every rank through torch's fake process group, so nothing is allocated: the plan is checked and each rank's
 persistent bytes (parameters, gradients, AdamW state) are read from the local shapes of the sharded
 parameters. Under pipeline parallelism (``pp > 1``) the stages are not built on fake ranks: each pp rank's bytes are
-counted from the model's own split (:func:`cuboid.planning.capacity.estimate`, the count setup's fit check uses,
+counted from the model's own split (:func:`cuboid.measure.estimate`, the count setup's fit check uses,
 equal to the measured shards on every pipeline parity layout), for Cuboid's models and Hugging Face decoders alike.
 
     python -m cuboid.dryrun --model 70b --dp 8 --tp 8
@@ -118,16 +118,16 @@ def _experts_per_rank(lm: nn.Module) -> tuple[int, int]:
 def _pipeline_dry_run(
     lm: nn.Module, layout: Layout, plan: dict[str, str] | None, schedule: str, virtual_stages: int | None
 ) -> RankBytes:
+    from cuboid.measure import estimate
     from cuboid.pipeline import Pipelining
-    from cuboid.planning import capacity
 
     if callable(getattr(lm, "configure_model", None)):
         lm.configure_model()
     matched, _ = with_loss_parallel(resolve_plan(lm, plan, layout.tp), layout.pp, layout.cp)
     blocks = find_blocks(lm, None)
     pipelining = Pipelining(layout, schedule, virtual_stages=virtual_stages)
-    per_rank = capacity.estimate(lm, layout, matched, blocks, pipelining).per_pp_rank
-    elements = capacity.estimate(lm, layout, matched, blocks, pipelining, param_bytes=1).per_pp_rank
+    per_rank = estimate(lm, layout, matched, blocks, pipelining).per_pp_rank
+    elements = estimate(lm, layout, matched, blocks, pipelining, param_bytes=1).per_pp_rank
     worst = max(range(layout.pp), key=per_rank.__getitem__)
     total = sum(p.numel() for p in lm.parameters())
     world = layout.pp * layout.dp * layout.cp * layout.tp

@@ -84,7 +84,7 @@ class Shape:
             raise ValueError(
                 f"model={path!r} is model_type {kind!r}: the planner models Llama-family decoders (llama, mistral, "
                 f"qwen2, qwen3) and their mixture-of-experts kin ({', '.join(MOE_KINDS)}). Setup still checks any "
-                "model's parameter bytes against the GPU (cuboid.planning.capacity)."
+                "model's parameter bytes against the GPU (cuboid.measure)."
             )
         moe = _moe_of(c, kind, path)
         heads = c.num_attention_heads

@@ -137,7 +137,7 @@ def test_third_party_layout_is_real(name: str, results) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_fit_estimate_before_sharding_is_within_10_percent_of_measured(name: str, results) -> None:
-    """cuboid.planning.capacity counts each rank's parameter bytes from the unsharded model (on meta for the meta-init run) with
+    """cuboid.measure counts each rank's parameter bytes from the unsharded model (on meta for the meta-init run) with
     the model's own tp plan (ViT's given as data, Qwen3's replicated norms) before sharding."""
     from parity_lib import fit_estimate_error
 

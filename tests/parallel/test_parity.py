@@ -276,7 +276,7 @@ def test_planner_persistent_bytes_are_within_10_percent_of_measured(name: str, r
     PLANNER_TABLE[name] = (worst, sum(sum(f["bytes"].values()) for f in ranks) / len(ranks))
 
 
-# cuboid.planning.capacity's parameter bytes per rank, estimated from the unsharded module before any sharding (what setup refuses
+# cuboid.measure's parameter bytes per rank, estimated from the unsharded module before any sharding (what setup refuses
 # a layout on, on GPUs), beside each rank's measured DTensor local parameter bytes; printed at the end.
 FIT_TABLE: dict[str, float] = {}
 

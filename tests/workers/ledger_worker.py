@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
+from cuboid.measure import CommLedger
 from cuboid.models import CausalLM, LlamaConfig
-from cuboid.planning.ledger import CommLedger
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 

@@ -25,7 +25,7 @@ import third_party  # noqa: E402
 from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, TokenDataset, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
-from cuboid.planning.capacity import held_bytes  # noqa: E402
+from cuboid.measure import held_bytes  # noqa: E402
 
 
 class Facts(L.Callback):
@@ -35,7 +35,7 @@ class Facts(L.Callback):
         self.watch_link = watch_link
         self.link_targets_complete: list[bool] = []  # at each step start: is `last`'s target a whole checkpoint?
         self.bytes: dict[str, int] = {}
-        self.estimated_params: int | None = None  # cuboid.planning.capacity's estimate of this rank's parameter bytes
+        self.estimated_params: int | None = None  # cuboid.measure's estimate of this rank's parameter bytes
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.seen: list[list[int]] = []

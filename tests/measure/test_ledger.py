@@ -1,4 +1,4 @@
-"""The communication ledger (cuboid.planning.ledger): what it reads from the flight recorder per mesh dimension, against
+"""The communication ledger (cuboid.measure.CommLedger): what it reads from the flight recorder per mesh dimension, against
 the analytic figure, and its W&B keys in the main job's debug preset."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT, run_checked, worker_env
 
-from cuboid.planning.ledger import entry_bytes, kind_of
+from cuboid.measure.ledger import entry_bytes, kind_of
 
 
 def test_kinds_and_bytes_of_flight_recorder_entries() -> None:

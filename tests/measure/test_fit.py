@@ -1,4 +1,4 @@
-"""cuboid.planning.capacity: the per-rank parameter bytes the strategy counts from the unsharded model before sharding, and the
+"""cuboid.measure (setup's fit check): the per-rank parameter bytes the strategy counts from the unsharded model before sharding, and the
 refusals built on them (the multi-process checks run in test_parity and test_third_party: the estimate against each
 rank's measured shards on every layout, and the refusal of a layout too big for a device, before anything is
 allocated)."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from cuboid.measure import check_fits, estimate, refuse_if_too_big
 from cuboid.models import Llama, LlamaConfig
 from cuboid.parallel.mesh import Layout, LayoutError
 from cuboid.parallel.plans import find_blocks, resolve_plan
 from cuboid.pipeline.pipelining import Pipelining
-from cuboid.planning.capacity import check_fits, estimate, refuse_if_too_big
 from cuboid.planning.estimate import Setup, Shape, rank_memory
 
 CFG = LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=64)
@@ -32,7 +32,7 @@ class _Module(nn.Module):
      (2, 1, 1, 1, "Interleaved1F1B"), (4, 1, 1, 2, "1F1B")],
 )  # fmt: skip
 def test_estimate_from_the_module_agrees_with_the_planners_formula(pp, rep, shard, tp, schedule) -> None:
-    """Two independent counts of one rank's parameter bytes: cuboid.planning.capacity walks the module's parameters (on meta) with
+    """Two independent counts of one rank's parameter bytes: cuboid.measure.estimate walks the module's parameters (on meta) with
     its tp plan and pipeline split; cuboid.planning.estimate multiplies Llama's shape. They agree to FSDP's chunk rounding."""
     lm = _Module()
     layout = Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp).resolve(pp * rep * shard * tp)

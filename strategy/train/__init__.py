@@ -6,7 +6,8 @@
     python -m cuboid.train -m strategy.tensor_parallel=1,2           # sweep: one process group per job
     python -m cuboid.train --help                                    # the config groups and every key
 
-``scripts/train.py`` in a clone runs the same job. The configs are the installed Hydra tree
+``scripts/train.py`` in a clone runs the same job; its data module is :mod:`cuboid.train.data` (``data=stdlib``,
+``data=tokens``; ``cuboid.data`` is the same module under its earlier name). The configs are the installed Hydra tree
 ``pkg://cuboid.conf``. Rank 0 writes ``summary.json`` in the job's output directory.
 """
 
