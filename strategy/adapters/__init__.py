@@ -2,28 +2,24 @@
 its own files and in PEFT's adapter files, PEFT's own init on meta)."""
 
 from cuboid.adapters.lora import (
-    ADAPTER_PARTS,
     adapter_configs,
     base_name,
     frozen_base_names,
     init_adapters,
     is_adapter_name,
     is_lora_layer,
-    lora_layers,
     peft_models,
     peft_state_dict,
     write_peft_adapters,
 )
 
 __all__ = [
-    "ADAPTER_PARTS",
     "adapter_configs",
     "base_name",
     "frozen_base_names",
     "init_adapters",
     "is_adapter_name",
     "is_lora_layer",
-    "lora_layers",
     "peft_models",
     "peft_state_dict",
     "write_peft_adapters",

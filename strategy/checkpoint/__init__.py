@@ -2,7 +2,7 @@
 directories) behind one interface, the checkpointer that saves, loads, links and removes them, resuming,
 pretrained weights read per shard, and the export to safetensors or a Hugging Face directory."""
 
-from cuboid.checkpoint.checkpointer import FORMATS, READERS, Checkpointer
+from cuboid.checkpoint.checkpointer import FORMATS, Checkpointer
 from cuboid.checkpoint.export import main as export_main
 from cuboid.checkpoint.export import read_model_weights
 from cuboid.checkpoint.format import CheckpointError, CheckpointFormat, CheckpointReader, LoadRequest, SaveRequest
@@ -21,7 +21,6 @@ __all__ = [
     "FORMATS",
     "LoadRequest",
     "PretrainedError",
-    "READERS",
     "SaveRequest",
     "export_main",
     "latest_checkpoint",

@@ -6,24 +6,21 @@ from cuboid.context.attention import (
     chunk_ids,
     cp_attention,
     gather_sequence,
-    gather_tokens,
     local_positions,
     shard_sequence,
     unshard_sequence,
 )
 from cuboid.context.current import KEY_PADDING, active
-from cuboid.context.runtime import ContextParallel, check_composes, positions_keyword
+from cuboid.context.runtime import ContextParallel, positions_keyword
 
 __all__ = [
     "ContextParallel",
     "ContextParallelError",
     "KEY_PADDING",
     "active",
-    "check_composes",
     "chunk_ids",
     "cp_attention",
     "gather_sequence",
-    "gather_tokens",
     "local_positions",
     "positions_keyword",
     "shard_sequence",

@@ -6,15 +6,14 @@ from cuboid.experts.balance import LoadBalancing, check_router_loss_model, route
 from cuboid.experts.balance import active as active_balancing
 from cuboid.experts.balance import loss_of as balancing_loss
 from cuboid.experts.balance import statistics as balancing_statistics
-from cuboid.experts.dispatch import ExpertParallelError, Routed, combine, dispatch, expert_block
-from cuboid.experts.hf import distribute_experts, ep_experts_forward, experts_modules, local_experts, shard_experts
+from cuboid.experts.dispatch import ExpertParallelError, combine, dispatch, expert_block
+from cuboid.experts.hf import distribute_experts, experts_modules, shard_experts
 from cuboid.experts.load import ExpertLoad, load_figures
 
 __all__ = [
     "ExpertLoad",
     "ExpertParallelError",
     "LoadBalancing",
-    "Routed",
     "active_balancing",
     "balancing_loss",
     "balancing_statistics",
@@ -22,11 +21,9 @@ __all__ = [
     "combine",
     "dispatch",
     "distribute_experts",
-    "ep_experts_forward",
     "expert_block",
     "experts_modules",
     "load_figures",
-    "local_experts",
     "router_loss_model",
     "shard_experts",
 ]

@@ -12,11 +12,9 @@ from cuboid.job.launch import (
     start_process_group,
 )
 from cuboid.job.run_lock import RunDirectoryBusy
-from cuboid.job.watchdog import EXIT_CODE as DEAD_PEER_EXIT_CODE
 
 __all__ = [
     "CuboidLauncher",
-    "DEAD_PEER_EXIT_CODE",
     "JobGuard",
     "RunDirectoryBusy",
     "UnevenBatchesError",

@@ -1,12 +1,11 @@
 """Data and tensor parallel: the device mesh, tensor-parallel plans and styles, and how a model is parallelized
 (TP -> activation checkpointing -> compile -> FSDP2) and its weights materialized."""
 
-from cuboid.parallel.batchnorm import DataParallelBatchNorm, convert_batchnorm, sync_batchnorm
+from cuboid.parallel.batchnorm import DataParallelBatchNorm, sync_batchnorm
 from cuboid.parallel.buffers import BufferBroadcast
 from cuboid.parallel.build import ParallelSettings, finish_weights, parallelize_plain, prepare_weights
 from cuboid.parallel.dims import ParallelDims
 from cuboid.parallel.mesh import (
-    DP_DIMS,
     FLATTENED,
     MESH_NAMES,
     Layout,
@@ -42,7 +41,6 @@ from cuboid.parallel.styles import PlanError, canonical_style, check_plan_styles
 __all__ = [
     "ACMode",
     "BufferBroadcast",
-    "DP_DIMS",
     "DataParallelBatchNorm",
     "ExpertsLayout",
     "FLATTENED",
@@ -62,7 +60,6 @@ __all__ = [
     "check_no_fsdp1",
     "check_plan_styles",
     "check_reshard_after_forward",
-    "convert_batchnorm",
     "dim_groups",
     "find_blocks",
     "find_model_plan",

@@ -2,7 +2,6 @@
 contract), the runner that replays a LightningModule's own step hooks per microbatch, the step's results on every
 rank, and :class:`Pipelining`, the strategy's pipeline."""
 
-from cuboid.pipeline.decoder import DecoderShape, KeyedModuleList
 from cuboid.pipeline.pipelining import Pipelining, batch_and_index
 from cuboid.pipeline.runner import PipelineRunner
 from cuboid.pipeline.stages import (
@@ -17,8 +16,6 @@ from cuboid.pipeline.stages import (
 )
 
 __all__ = [
-    "DecoderShape",
-    "KeyedModuleList",
     "MULTI_STAGE",
     "PipelineError",
     "PipelineRunner",
