@@ -55,7 +55,7 @@ def device_peak_flops(device: torch.device, precision: str = "bf16-mixed") -> fl
     return peak_flops(torch.cuda.get_device_name(device), precision, tf32)
 
 
-def data_groups(strategy: Any) -> list[dist.ProcessGroup]:
+def _data_groups(strategy: Any) -> list[dist.ProcessGroup]:
     """The groups whose ranks read different tokens: data parallel (replicas x shards, the mesh's flattened
     ``dp``) and context parallel; the world under a strategy without Cuboid's mesh."""
     mesh = getattr(strategy, "device_mesh", None)
@@ -181,5 +181,5 @@ class CuboidMonitor(L.Callback):
             metrics["train/grad_norm"] = float(norm)
             self._pending_norm = None
         if self._load is not None:
-            metrics.update(self._load.take(data_groups(strategy)) or {})
+            metrics.update(self._load.take(_data_groups(strategy)) or {})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)

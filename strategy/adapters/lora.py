@@ -40,7 +40,7 @@ def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
-def lora_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _lora_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every LoRA layer under ``root``, by name."""
     for name, module in root.named_modules():
         if is_lora_layer(module):
@@ -101,7 +101,7 @@ def init_adapters(root: nn.Module) -> None:
     model built on meta (the base's init would draw the adapters as plain ``nn.Linear`` layers, B not zero)."""
     targets = [(model, dict(model.peft_config)) for _, model in peft_models(root)] or [(root, {})]
     for model, configs in targets:  # LoRA layers outside a PeftModel (inject_adapter_in_model): PEFT's default
-        for _, layer in lora_layers(model):
+        for _, layer in _lora_layers(model):
             embeddings = [a for a in layer.lora_embedding_A.keys() if a not in layer.lora_A]
             for adapter in [*layer.lora_A.keys(), *embeddings]:  # a fixed order: the RNG draws follow it
                 init = getattr(configs.get(adapter), "init_lora_weights", True)

@@ -45,7 +45,7 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
     return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
+def _read_meta(path: str | Path) -> dict[str, Any]:
     """A checkpoint's non-tensor entries (Lightning's and Cuboid's: ``meta["cuboid"]``), without its tensors."""
     path = Path(path)
     check_loadable(path, allow_file=True)
@@ -55,7 +55,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out: Path, hf: bool) -> list[Path]:
-    configs = read_meta(path).get("cuboid", {}).get("adapters", {})
+    configs = _read_meta(path).get("cuboid", {}).get("adapters", {})
     model = prefix.rstrip(".")
     if model not in configs:
         found = ", ".join(repr(k) for k in configs) or "none"

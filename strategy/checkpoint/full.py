@@ -60,7 +60,7 @@ from cuboid.checkpoint.format import (
 FORMAT = "full"
 
 
-def save_full(
+def _save_full(
     path: Path,
     module: nn.Module,
     optimizers: Sequence[Optimizer],
@@ -238,7 +238,7 @@ class FullFormat:
     def save(self, request: SaveRequest) -> threading.Thread | None:
         # (gathered to rank 0 and written from there: no DCP staging, no storage writer)
         r = request
-        return save_full(
+        return _save_full(
             r.path, r.module, r.optimizers, r.lightning_state, r.mesh, r.group, r.background, r.model_order
         )
 

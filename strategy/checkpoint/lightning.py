@@ -125,7 +125,7 @@ def from_positional(osd: dict[str, Any], groups: Groups, where: str) -> dict[str
     return flat
 
 
-def foreign_model_key(stored: set[str]) -> str | None:
+def _foreign_model_key(stored: set[str]) -> str | None:
     """For a DCP directory: ``"state_dict"`` (ModelParallelStrategy), ``"model"`` (FSDPStrategy, Cuboid), else None."""
     for key in ("state_dict", "model"):
         if any(k.startswith(key + ".") for k in stored):
@@ -133,7 +133,7 @@ def foreign_model_key(stored: set[str]) -> str | None:
     return None
 
 
-def load_foreign_sharded(
+def _load_foreign_sharded(
     path: Path, module: nn.Module, optimizers: Sequence[Optimizer], model_key: str, strict: bool
 ) -> None:
     """Load a ModelParallelStrategy / FSDPStrategy sharded directory (nested optimizer states, by name)."""
@@ -164,14 +164,14 @@ class LightningFormat:
         check_loadable(path)
         stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         meta = load_pickled(path / META_FILE, request.weights_only)
-        key = foreign_model_key(stored)
+        key = _foreign_model_key(stored)
         if key is None:
             raise CheckpointError(
                 f"{path} is a DCP directory with neither 'state_dict.*' (ModelParallelStrategy) nor 'model.*' "
                 "(FSDPStrategy, Cuboid) entries: not a Lightning checkpoint."
             )
         try:
-            load_foreign_sharded(path, request.module, request.optimizers, key, request.strict)
+            _load_foreign_sharded(path, request.module, request.optimizers, key, request.strict)
         except Exception as err:  # DCP wraps per-rank failures: say which checkpoint, nothing else
             raise CheckpointError(f"could not load {path} (a Lightning {key!r} checkpoint): {err}") from err
         return meta

@@ -38,7 +38,7 @@ class PretrainedError(ValueError):
 
 
 @dataclass
-class Source:
+class _Source:
     """What a weights path holds: ``kind`` (``"safetensors"``, ``"dcp"``, ``"full"``) and each tensor's shape
     and dtype name by its key there."""
 
@@ -51,7 +51,7 @@ class Source:
     packed: dict[str, list[list[str]]] = field(default_factory=dict)  # packed experts key -> its per-expert keys
 
 
-def open_source(path: str | Path, what: str) -> Source:
+def _open_source(path: str | Path, what: str) -> _Source:
     """Read the index of a weights path (no tensor data)."""
     path = Path(path).expanduser()
     if not path.exists():
@@ -68,7 +68,7 @@ def open_source(path: str | Path, what: str) -> Source:
             for key, m in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
         }
-        return Source(path, "dcp", tensors)
+        return _Source(path, "dcp", tensors)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         index = path / "model.safetensors.index.json"
@@ -93,9 +93,9 @@ def open_source(path: str | Path, what: str) -> Source:
                 f"{present}). Download the model's safetensors weights, or point at a Cuboid checkpoint."
             )
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
-        return Source(path, "safetensors", _safetensors_index(files), files, config)
+        return _Source(path, "safetensors", _safetensors_index(files), files, config)
     if path.suffix == ".safetensors":
-        return Source(path, "safetensors", _safetensors_index([path]), [path])
+        return _Source(path, "safetensors", _safetensors_index([path]), [path])
     return _full_file(path, what)
 
 
@@ -111,7 +111,7 @@ def _safetensors_index(files: list[Path]) -> dict[str, tuple[tuple[int, ...], st
     return tensors
 
 
-def _full_file(path: Path, what: str) -> Source:
+def _full_file(path: Path, what: str) -> _Source:
     from cuboid.checkpoint.format import CheckpointError, load_pickled
 
     try:
@@ -123,7 +123,7 @@ def _full_file(path: Path, what: str) -> Source:
     if not isinstance(state, dict):
         raise PretrainedError(f"pretrained weights for {what!r}: {path} has no 'state_dict': not a Cuboid checkpoint.")
     tensors = {k: (tuple(v.shape), _TORCH_NAMES.get(v.dtype, str(v.dtype))) for k, v in state.items()}
-    return Source(path, "full", tensors, mapped=state)
+    return _Source(path, "full", tensors, mapped=state)
 
 
 @dataclass
@@ -132,7 +132,7 @@ class Plan:
     tied names included) to its key in the source."""
 
     submodule: str
-    source: Source
+    source: _Source
     keys: dict[str, str]
 
     def lightning_names(self) -> set[str]:
@@ -167,7 +167,7 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
             f"pretrained={{{submodule!r}: ...}}: {type(lm).__name__} has no submodule {submodule!r} (built in "
             f"__init__ or configure_model); its children are {children}."
         ) from None
-    source = open_source(path, submodule)
+    source = _open_source(path, submodule)
     tensors, groups, transient = _expected(module)
     prefix = f"{submodule}."
     candidates: dict[str, dict[str, str]] = {}
@@ -231,7 +231,7 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
     return Plan(submodule, source, keys)
 
 
-def _find_packed_experts(source: Source, wanted: dict[str, torch.Tensor]) -> None:
+def _find_packed_experts(source: _Source, wanted: dict[str, torch.Tensor]) -> None:
     """Packed experts parameters the file keeps one expert at a time (transformers' save format): listed in
     ``source.tensors`` under the packed key, with the shape they make, and their per-expert keys kept."""
     for key, tensor in wanted.items():
@@ -249,7 +249,7 @@ def _find_packed_experts(source: Source, wanted: dict[str, torch.Tensor]) -> Non
 
 
 def _missing_and_unexpected(
-    source: Source,
+    source: _Source,
     keys: dict[str, str],
     groups: dict[str, list[str]],
     transient: set[str],
@@ -311,7 +311,7 @@ def load(lm: nn.Module, plan: Plan) -> None:
         tensor.copy_(state[key])
 
 
-def _load_safetensors(source: Source, state: dict[str, torch.Tensor]) -> None:
+def _load_safetensors(source: _Source, state: dict[str, torch.Tensor]) -> None:
     """Every file memory-mapped; DCP's planner copies out this rank's slices. Measured as fast as DCP's own
     ``HuggingFaceStorageReader`` with the same peak memory (README, "Fine-tune a pretrained model"), and it also
     reads one file that sits among others (that reader takes every ``.safetensors`` of a directory)."""
@@ -319,13 +319,13 @@ def _load_safetensors(source: Source, state: dict[str, torch.Tensor]) -> None:
 
     mapped: dict[str, Any] = {}
     for file in source.files:
-        mapped.update(mmap_safetensors(file))
+        mapped.update(_mmap_safetensors(file))
     for key, recipe in source.packed.items():  # read region by region: each rank its own experts
         mapped[key] = PackedExperts([[mapped[k] for k in ks] for ks in recipe])
     dcp.load({f"w.{k}": v for k, v in state.items()}, storage_reader=_MappedReader({"w": mapped}))
 
 
-def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """A ``.safetensors`` file's tensors as views of one private memory map: only the pages a slice touches
     are read. (Layout: an 8-byte little-endian header length, a JSON header, then the raw data.)"""
     with open(path, "rb") as f:

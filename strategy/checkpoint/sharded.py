@@ -45,7 +45,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
 
 
-def save_sharded(
+def _save_sharded(
     path: Path,
     module: nn.Module,
     optimizers: Sequence[Optimizer],
@@ -104,7 +104,7 @@ def save_sharded(
     return thread
 
 
-def load_sharded(
+def _load_sharded(
     path: Path,
     module: nn.Module,
     optimizers: Sequence[Optimizer],
@@ -142,8 +142,8 @@ class ShardedFormat:
     def save(self, request: SaveRequest) -> threading.Thread | None:
         r = request
         group = r.group if r.background else None
-        return save_sharded(r.path, r.module, r.optimizers, r.lightning_state, r.storage_writer, group, r.stager)
+        return _save_sharded(r.path, r.module, r.optimizers, r.lightning_state, r.storage_writer, group, r.stager)
 
     def load(self, request: LoadRequest) -> dict[str, Any]:
         r = request
-        return load_sharded(r.path, r.module, r.optimizers, strict=r.strict, weights_only=r.weights_only)
+        return _load_sharded(r.path, r.module, r.optimizers, strict=r.strict, weights_only=r.weights_only)

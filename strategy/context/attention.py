@@ -88,7 +88,7 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     return _GatherSequence.apply(local, group, dim)
 
 
-def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
+def _gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
     """The global positions of :func:`gather_sequence`'s output (cp rank order, each rank's two chunks)."""
     return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])
 
@@ -107,7 +107,7 @@ class _GatherTokens(torch.autograd.Function):
         ctx.cp, ctx.index = cp, local_positions(seq_len, rank, cp, local.device)
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local.contiguous(), group=group)
-        order = torch.argsort(gathered_positions(seq_len, cp, local.device))
+        order = torch.argsort(_gathered_positions(seq_len, cp, local.device))
         return torch.cat(parts, 1).index_select(1, order)
 
     @staticmethod
@@ -142,7 +142,7 @@ def cp_attention(
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
     mask = None
-    k_pos = gathered_positions(seq_len, cp, query.device)
+    k_pos = _gathered_positions(seq_len, cp, query.device)
     if is_causal:
         q_pos = local_positions(seq_len, rank, cp, query.device)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)

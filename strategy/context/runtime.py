@@ -40,14 +40,14 @@ _LOSSES: tuple[Callable[..., torch.Tensor], ...] = (F.cross_entropy, F.nll_loss)
 
 class ContextParallel:
     """The context-parallel side of one strategy: ``dims.cp`` ranks share every sequence (refused, by
-    :func:`check_composes`, with what it does not compose with yet).
+    :func:`_check_composes`, with what it does not compose with yet).
 
     ``setup`` after the model is parallelized; ``step()`` around every training, validation and test step (and,
     under pp, the schedule). Activation checkpointing's recompute in backward re-enters the forward's interception
     by itself (:func:`cuboid.parallel.parallelize.apply_ac`)."""
 
     def __init__(self, dims: Any, compile: bool = False, activation_checkpointing: str | None = None) -> None:
-        check_composes(dims.cp, compile, activation_checkpointing)
+        _check_composes(dims.cp, compile, activation_checkpointing)
         self.dims = dims  # the run's one record of its degrees (ParallelDims, or a Layout): cp is read from it
         self.group: dist.ProcessGroup | None = None
         self.rank = 0
@@ -331,7 +331,7 @@ class _Interceptor(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def check_composes(size: int, compile: bool, activation_checkpointing: str | None) -> None:
+def _check_composes(size: int, compile: bool, activation_checkpointing: str | None) -> None:
     """Refuse what context parallel does not compose with yet: compiled blocks *with* activation checkpointing
     (Dynamo traces the checkpoint without the step's interception, so attention would see only this rank's tokens)."""
     if size > 1 and compile and activation_checkpointing is not None:

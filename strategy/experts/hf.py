@@ -49,7 +49,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return out if bias is None else out + bias
 
 
-def local_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _local_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each local expert on its rows (``rows`` grouped by expert, ``counts`` per expert), with the module's own
     conventions (gate, activation, bias, transposition, post-expert norm). An exact loop: every local expert runs,
     on no rows when none came, so each has a gradient (zero) whatever the routing."""
@@ -69,22 +69,22 @@ def local_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> t
     return torch.cat(outs)
 
 
-def ep_experts_forward(
+def _ep_experts_forward(
     module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The expert-parallel forward of a packed experts module (same signature as transformers' experts
     implementations): dispatch, local experts, combine."""
     group = getattr(module, GROUP_ATTR)
     rows, counts, routed = dispatch(hidden_states, top_k_index, module.num_experts, group)
-    out = combine(local_experts(module, rows, counts), top_k_weights, routed)
+    out = combine(_local_experts(module, rows, counts), top_k_weights, routed)
     return out.to(hidden_states.dtype)
 
 
 def _route(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Send this module's forward through the exchange: the instance's ``forward`` is ``ep_experts_forward`` (one
+    """Send this module's forward through the exchange: the instance's ``forward`` is ``_ep_experts_forward`` (one
     path for every family, transformers' or not; hooks such as FSDP's still run, they sit on ``__call__``)."""
     setattr(module, GROUP_ATTR, group)
-    module.forward = MethodType(ep_experts_forward, module)
+    module.forward = MethodType(_ep_experts_forward, module)
 
 
 def _packed(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

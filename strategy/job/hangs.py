@@ -92,10 +92,10 @@ def status(reporter: bool) -> dict[str, Any]:
     for entry in compat.flight_recorder_entries():
         key, seq = _key_and_seq(entry)
         last[key] = max(last.get(key, 0), seq)
-    return {"last": last, "where": None if reporter else main_thread_frame(), "reporter": reporter}
+    return {"last": last, "where": None if reporter else _main_thread_frame(), "reporter": reporter}
 
 
-def main_thread_frame() -> str | None:
+def _main_thread_frame() -> str | None:
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001  (documented in sys)
     skip = (os.sep + "torch" + os.sep, os.sep + "lightning" + os.sep, os.path.dirname(threading.__file__) + os.sep)
     for summary in reversed(traceback.extract_stack(frame) if frame is not None else []):
@@ -111,8 +111,8 @@ def respond(store: Any, rank: int, mark: str, dump_dir: Path | None, wait: float
         return
     try:
         store.set(f"{_STATUS}{rank}", json.dumps(status(reporter=False)))
-        write_dump(dump_dir, rank)
-        print(f"Cuboid (rank {rank}): {mark}; this rank was at {main_thread_frame()}", file=sys.stderr, flush=True)
+        _write_dump(dump_dir, rank)
+        print(f"Cuboid (rank {rank}): {mark}; this rank was at {_main_thread_frame()}", file=sys.stderr, flush=True)
         if rank == 0:
             _linger(store, dist.get_world_size(), wait)
     except Exception:  # noqa: BLE001  (the store may be gone: exit anyway)
@@ -156,7 +156,7 @@ class HangReport:
             lines.append(f"Rank {m} never joined it (its last on that group: #{last}){place}.")
         if not missing:
             lines.append("No rank's flight recorder shows which rank is missing (a rank that exited?).")
-        dumped = write_dump(self.dump_dir, self.rank)
+        dumped = _write_dump(self.dump_dir, self.rank)
         if dumped is not None:
             tool = f"; torchfrtrace {dumped.parent} -p rank_ compares them" if dist.get_backend() == "nccl" else ""
             lines.append(f"Each rank's flight recorder: {dumped.parent}/rank_<r>{tool}.")
@@ -205,7 +205,7 @@ class HangReport:
         return entries[-1], {}
 
 
-def write_dump(dump_dir: Path | None, rank: int) -> Path | None:
+def _write_dump(dump_dir: Path | None, rank: int) -> Path | None:
     """This rank's flight recorder, pickled as torch dumps it, to ``<dump_dir>/rank_<rank>``."""
     if dump_dir is None:
         return None

@@ -53,7 +53,7 @@ def entry_bytes(entry: dict[str, Any], kind: str, group_size: int) -> int:
     return total * group_size if kind == "all_gather" else total
 
 
-def mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
+def _mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
     """Process-group name -> (mesh dimension, size), for this rank: the first dimension (pp, dp_replicate,
     dp_shard, tp, then the flattened dp; then expert parallel's ep and efsdp, from its own mesh) of size > 1 that
     uses it (``experts``: the strategy's :attr:`experts_layout`). A dimension as large as the world shares the
@@ -70,8 +70,8 @@ def mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
     return found
 
 
-def tally(entries: list[dict[str, Any]], groups: dict[str, tuple[str, int]]) -> dict[str, dict[str, list[int]]]:
-    """{dimension: {kind: [count, bytes]}} of the given flight-recorder entries (``groups``: :func:`mesh_groups`;
+def _tally(entries: list[dict[str, Any]], groups: dict[str, tuple[str, int]]) -> dict[str, dict[str, list[int]]]:
+    """{dimension: {kind: [count, bytes]}} of the given flight-recorder entries (``groups``: :func:`_mesh_groups`;
     other groups go by their description: ``default_pg`` is "world", Cuboid's gloo group "cuboid_host")."""
     table: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for entry in entries:
@@ -110,7 +110,7 @@ class CommLedger(L.Callback):
         except (AttributeError, AssertionError, RuntimeError):  # not a mesh strategy
             mesh = None
         experts = getattr(trainer.strategy, "experts_layout", None)
-        self._groups = mesh_groups(mesh, experts) if mesh is not None else {}
+        self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
 
@@ -140,7 +140,7 @@ class CommLedger(L.Callback):
         entries = [e for e in compat.flight_recorder_entries() if e["record_id"] > self._last]
         if entries:
             self._last = entries[-1]["record_id"]
-        step = tally(entries, self._groups)
+        step = _tally(entries, self._groups)
         if self._p2p is not None:  # gloo's send/recv, counted by the dispatch mode
             step.setdefault("pp", {})["send_recv"] = [self._p2p.count, self._p2p.bytes]
             self._p2p.count = self._p2p.bytes = 0

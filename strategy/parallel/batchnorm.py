@@ -5,7 +5,7 @@ BatchNorm into :class:`DataParallelBatchNorm`, which works on every device and b
 count, then the sum of squared deviations from the global mean, are all-reduced over the data-parallel ranks (two
 small all-reduces per layer, differentiable), so a step normalizes with the statistics of the whole global batch, as
 one process on that batch does. Tensor-parallel peers read the same samples and are not in the group. Under context
-parallel a sequence's positions are split over ranks: refused (:func:`check_sync_batchnorm`).
+parallel a sequence's positions are split over ranks: refused (:func:`_check_sync_batchnorm`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DataParallelBatchNorm(nn.SyncBatchNorm):
         return out.to(input.dtype)
 
 
-def convert_batchnorm(module: nn.Module, group: dist.ProcessGroup) -> int:
+def _convert_batchnorm(module: nn.Module, group: dist.ProcessGroup) -> int:
     """Replace every BatchNorm under ``module`` by a :class:`DataParallelBatchNorm` over ``group``, in place,
     keeping its parameters, buffers and mode; return how many were converted."""
     converted = 0
@@ -105,11 +105,11 @@ def convert_batchnorm(module: nn.Module, group: dist.ProcessGroup) -> int:
             setattr(module, name, new)
             converted += 1
         else:
-            converted += convert_batchnorm(child, group)
+            converted += _convert_batchnorm(child, group)
     return converted
 
 
-def check_sync_batchnorm(layout: Any) -> None:
+def _check_sync_batchnorm(layout: Any) -> None:
     """``sync_batchnorm=True`` on a layout where it cannot mean what it means under DDP: refused, with why."""
     if layout.cp > 1:
         raise LayoutError(
@@ -130,6 +130,6 @@ def sync_batchnorm(layer_sync: Any, layout: Any, module: nn.Module, group: dist.
             f"Trainer(plugins=[{type(layer_sync).__name__}()]): CuboidStrategy honours only "
             "Trainer(sync_batchnorm=True) (BatchNorm synced over the data-parallel group). Remove the plugin."
         )
-    check_sync_batchnorm(layout)
-    converted = convert_batchnorm(module, group)
+    _check_sync_batchnorm(layout)
+    converted = _convert_batchnorm(module, group)
     rank_zero_info(f"Cuboid: sync_batchnorm: {converted} BatchNorm layers synced over the data-parallel group")

@@ -91,7 +91,7 @@ def prepare_weights(
     return Weights(sources, loaded, on_meta, twins)
 
 
-def lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
+def _lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
     """The FSDP roots of a LightningModule (its top-level children with parameters), each with its blocks."""
     roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
     return [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
@@ -104,7 +104,7 @@ def parallelize_plain(
     settings: ParallelSettings,
 ) -> None:
     """Without pipeline parallelism: each top-level child with parameters becomes an FSDP root with its blocks."""
-    settings.apply(lightning_parts(lm, blocks), lm, matched)
+    settings.apply(_lightning_parts(lm, blocks), lm, matched)
 
 
 def finish_weights(
@@ -126,10 +126,10 @@ def finish_weights(
         )
     for plan in weights.sources:
         load_pretrained(lm, plan)
-    average_stray_gradients(lm, report_stray_parameters(lm), dp_mesh)
+    _average_stray_gradients(lm, _report_stray_parameters(lm), dp_mesh)
 
 
-def report_stray_parameters(lm: nn.Module) -> list[str]:
+def _report_stray_parameters(lm: nn.Module) -> list[str]:
     """Warn, by name and size, about each parameter left outside every ``fully_shard`` unit (one the
     LightningModule holds itself): it is not sharded and every rank keeps it whole. Returns the names."""
     stray = [(n, p) for n, p in lm.named_parameters() if not isinstance(p, DTensor)]
@@ -145,7 +145,7 @@ def report_stray_parameters(lm: nn.Module) -> list[str]:
     return [n for n, _ in stray]
 
 
-def average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh) -> None:
+def _average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh) -> None:
     """Keep replicated (stray) parameters in step: average each one's gradient over the data-parallel ranks as
     it is accumulated (FSDP2 reduces only the parameters it manages)."""
     if dp_mesh.size() == 1:

@@ -34,7 +34,7 @@ from cuboid.adapters import init_adapters
 from cuboid.compat import module_apply
 
 
-def has_meta_tensors(module: nn.Module) -> bool:
+def _has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
@@ -61,7 +61,7 @@ def materialize_meta(module: nn.Module, device: torch.device, param_device: torc
     Goes through ``nn.Module._apply``, as ``to_empty`` does, so that FSDP2 (which re-registers its sharded
     parameters) and torchmetrics (which moves its states and defaults) see the change.
     """
-    tied = [names for names in alias_groups(module).values() if len(names) > 1]
+    tied = [names for names in _alias_groups(module).values() if len(names) > 1]
     params = {id(p) for p in module.parameters()}
     where = {True: param_device or device, False: device}
     module_apply(module, lambda t: torch.empty_like(t, device=where[id(t) in params]) if t.is_meta else t)
@@ -110,10 +110,10 @@ def init_module(module: nn.Module) -> None:
 
 def meta_twins(root: nn.Module) -> dict[str, nn.Module]:
     """Meta copies of the top-level children, taken before sharding (cheap: no storage)."""
-    return {name: copy.deepcopy(child) for name, child in root.named_children() if has_meta_tensors(child)}
+    return {name: copy.deepcopy(child) for name, child in root.named_children() if _has_meta_tensors(child)}
 
 
-def alias_groups(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
+def _alias_groups(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
     """Each tensor's first name -> all its names (a tied weight has several), parameters and buffers."""
     groups: dict[int, list[str]] = {}
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
@@ -122,7 +122,7 @@ def alias_groups(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
     return {names[0]: names for names in groups.values()}
 
 
-def init_pieces(twin: nn.Module, blocks: set[str]) -> list[tuple[nn.Module, bool]]:
+def _init_pieces(twin: nn.Module, blocks: set[str]) -> list[tuple[nn.Module, bool]]:
     """The pieces rank 0 initialises one at a time, in the order of the module's tensors: each block whole
     ``(block, True)``, and each other module's own tensors ``(module, False)`` (the embedding, a norm, the head)."""
     pieces: list[tuple[nn.Module, bool]] = []
@@ -195,10 +195,10 @@ def materialize_streamed(
     with torch.random.fork_rng(devices=[]):
         for twin_name, twin in twins.items():
             prefix = f"{twin_name}."
-            groups = alias_groups(twin, prefix)
+            groups = _alias_groups(twin, prefix)
             local_blocks = {b[len(prefix) :] for b in blocks if b.startswith(prefix)}
             done: set[str] = set()
-            for piece, recurse in init_pieces(twin, local_blocks):
+            for piece, recurse in _init_pieces(twin, local_blocks):
                 names = [
                     (first, tensor)
                     for first, tensor in _piece_tensors(twin, piece, recurse, groups, prefix)

@@ -30,7 +30,6 @@ __all__ = [
     "match_plan",
     "parallel_plan",
     "resolve_plan",
-    "split_adapters",
     "to_parallel_style",
 ]
 
@@ -174,7 +173,7 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
         return {}
     if plan is None:
         plan = usable_model_plan(root, find_model_plan(root))
-    matched = split_adapters(match_plan(root, plan))
+    matched = _split_adapters(match_plan(root, plan))
     check_tp_divisibility(root, matched, tp)
     if not matched:
         raise PlanError(
@@ -190,7 +189,7 @@ _SPLIT_OUTPUT = ("colwise", "output", "loss_parallel")
 _SPLIT_INPUT = ("rowwise", "rowwise_split_input", "rowwise_sequence")
 
 
-def split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, tuple[nn.Module, str]]:
+def _split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, tuple[nn.Module, str]]:
     """A plan entry on a PEFT LoRA layer (``q_proj`` after ``get_peft_model``), as the layer's parts:
 
     * output features split (``colwise``, ``output``, ``loss_parallel``): the base layer and ``lora_B`` split the

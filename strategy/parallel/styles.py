@@ -145,13 +145,13 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
     if name == "sequence_parallel":
         return SequenceParallel()
     if name == "embedding_sequence":
-        return SequenceShardedEmbedding()
+        return _SequenceShardedEmbedding()
     if name == "rowwise_sequence":
         return RowwiseParallel(output_layouts=Shard(1))
     if name == "gather_sequence":
-        return GatherSequence()
+        return _GatherSequence()
     if name == "replicated_sequence":
-        return ReplicatedSequence()
+        return _ReplicatedSequence()
     if name == "loss_parallel":
         return GatheredInputColwise(output_layouts=Shard(-1), use_local_output=False)
     if name == "replicated_with_grad_allreduce":
@@ -161,7 +161,7 @@ def to_parallel_style(style: str) -> ParallelStyle | None:
     if name == "local_params":
         return LocalParams(replicate_plain=False, grad_placements=None)
     if name == "local_input":
-        return LocalInput()
+        return _LocalInput()
     if name == "sequence_local":
         return SequenceParallel(use_local_output=True)
     return None  # "replicate"
@@ -251,7 +251,7 @@ class GatheredInputColwise(ColwiseParallel):
         return super()._apply(module, device_mesh)
 
 
-class SequenceShardedEmbedding(RowwiseParallel):
+class _SequenceShardedEmbedding(RowwiseParallel):
     """A vocabulary-sharded embedding whose output is reduce-scattered along the sequence (dim 1), checking first
     that the sequence splits evenly over tp (sequence parallel cannot shard an uneven one)."""
 
@@ -274,7 +274,7 @@ class SequenceShardedEmbedding(RowwiseParallel):
         return super()._apply(module, device_mesh)
 
 
-class GatherSequence(ParallelStyle):
+class _GatherSequence(ParallelStyle):
     """All-gather a module's first input along the sequence (dim 1) before it runs: the input arrives
     sequence-sharded (a local tensor or a ``Shard(1)`` DTensor) and the module gets a replicated DTensor (``local``:
     its local tensor), whose gradient is reduce-scattered back once in backward."""
@@ -293,7 +293,7 @@ class GatherSequence(ParallelStyle):
         return module
 
 
-class ReplicatedSequence(GatherSequence):
+class _ReplicatedSequence(_GatherSequence):
     """A module whole on every tp rank between sequence-parallel norms (Cuboid's MoE feed-forward): its first input
     is all-gathered along the sequence (dim 1) and handed over as a local tensor, so its own parameters (plain,
     the same on every tp rank) and its routing see the whole batch alike; its output, the same on every tp rank,
@@ -311,7 +311,7 @@ class ReplicatedSequence(GatherSequence):
         return super()._apply(module, device_mesh)
 
 
-class LocalInput(ParallelStyle):
+class _LocalInput(ParallelStyle):
     """A module whose own parameters are whole on every tp rank, run on its first input as a local tensor: an input
     arriving as a DTensor (inside a module whose input was gathered, Cuboid's Llama attention; or sequence-sharded,
     before the output head) is made ``Replicate`` first. Its gradient is read as replicated: what comes back to it

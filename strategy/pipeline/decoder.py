@@ -149,7 +149,7 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
                 "after the blocks only (a head)."
             )
         post += [n for n in owner_order if n != base_path and _has_params(owner._modules[n])]
-    check_embeddings_pass_through(base, attr, type(base).__name__)
+    _check_embeddings_pass_through(base, attr, type(base).__name__)
     return DecoderShape(base_path, container, pre, post, router_loss)
 
 
@@ -170,7 +170,7 @@ class _PassThrough(nn.Module):
         return x
 
 
-def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None:
+def _check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None:
     """Run the base model's own forward once on a tiny input, with one recording block and every other child a
     pass-through: the block must receive ``inputs_embeds`` itself, and the output must be what the block returned.
     (A forward that scales the embeddings, or transforms the last hidden state outside its modules, would do it

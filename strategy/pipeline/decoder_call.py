@@ -24,7 +24,7 @@ _LOSS_ONLY = ("labels", "shift_labels")
 
 
 @dataclass
-class CallPlan:
+class _CallPlan:
     """How the step calls the decoder (``self.model(input_ids=..., attention_mask=..., labels=...)``), bound to the
     outer model's signature: the first stage's input, the keyword tensors every stage gets with its microbatch,
     and the labels the loss needs."""
@@ -41,7 +41,7 @@ class CallPlan:
         return self.labels[..., 1:].ne(IGNORE_INDEX).sum()
 
 
-def bind_call(owner: nn.Module, args: tuple, kwargs: dict, hook: str, owner_name: str) -> CallPlan:
+def bind_call(owner: nn.Module, args: tuple, kwargs: dict, hook: str, owner_name: str) -> _CallPlan:
     """Bind how ``hook`` called the decoder to its forward's signature; refuse what a pipeline cannot split."""
     try:
         bound = inspect.signature(type(owner).forward).bind(owner, *args, **kwargs).arguments
@@ -84,8 +84,8 @@ def bind_call(owner: nn.Module, args: tuple, kwargs: dict, hook: str, owner_name
                 "which Cuboid weights per microbatch to give the whole batch's loss. Compute the loss in the step from "
                 f"out.logits instead of passing labels to self.{owner_name}(...)."
             )
-        return CallPlan(ids, stage_kwargs, labels)
-    return CallPlan(ids, stage_kwargs, None)
+        return _CallPlan(ids, stage_kwargs, labels)
+    return _CallPlan(ids, stage_kwargs, None)
 
 
 def microbatch_output(

@@ -117,7 +117,7 @@ def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int) -> float:
+def _activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int) -> float:
     """What autograd keeps for one block and micro-batch (the module docstring's count), scaled from bf16."""
     bsh, bskv, bsf = b * seq * shape.dim, b * seq * shape.kv_dim, b * seq * shape.ffn_active
     scale = compute / 2
@@ -166,10 +166,10 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     else:
         gathered = 0.0
     micro, local = s.batch / s.m, s.seq / s.cp
-    per_block = activation_bytes_per_block(shape, micro, local, s.ac, compute, s.tp)
-    acts = per_block * n_blocks * in_flight(s, stage) / s.virtual_stages
+    per_block = _activation_bytes_per_block(shape, micro, local, s.ac, compute, s.tp)
+    acts = per_block * n_blocks * _in_flight(s, stage) / s.virtual_stages
     if s.ac == "full":  # one block's full set while it is recomputed for backward
-        acts += activation_bytes_per_block(shape, micro, local, None, compute, s.tp)
+        acts += _activation_bytes_per_block(shape, micro, local, None, compute, s.tp)
     if s.cp > 1:  # the whole sequence's keys and values, gathered while one block's attention runs
         acts += 2 * micro * s.seq * shape.kv_dim / s.tp * compute
     last = s.pp * s.virtual_stages - 1
@@ -178,7 +178,7 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     return Memory(params, grads, opt, gathered, acts, logits, host, 1.0)
 
 
-def in_flight(s: Setup, rank: int) -> float:
+def _in_flight(s: Setup, rank: int) -> float:
     """Micro-batches whose activations a pp rank holds at its peak, in units of its whole stage set (a virtual
     stage's chunk counts 1 / v): 1F1B ``pp - rank``; interleaved, Megatron-LM's warm-up ``2 (pp - rank - 1) +
     (v - 1) pp`` chunks plus one; GPipe all of them."""
@@ -228,7 +228,7 @@ def _link(hw: Hardware, span: int) -> tuple[float, float]:
     return (hw.nvlink, hw.alpha_nvlink) if span <= hw.gpus_per_node else (hw.network, hw.alpha_network)
 
 
-def recompute_flops_per_token(shape: Shape, s: Setup) -> float:
+def _recompute_flops_per_token(shape: Shape, s: Setup) -> float:
     """FLOPs per token that activation checkpointing repeats: full, each block's forward (its matmuls and
     attention); torchtitan's op-level selective, every second block matmul; Cuboid's selective, none."""
     block_forward = 2 * shape.block_tp * shape.layers
@@ -246,7 +246,7 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     ``torch.compile`` and float8 matmuls."""
     _, compute_b, reduce_b = dtype_bytes(s.precision)
     tokens_dp = s.batch * s.seq  # per data-parallel rank and step
-    per_token = shape.flops_per_token(s.seq) + recompute_flops_per_token(shape, s)
+    per_token = shape.flops_per_token(s.seq) + _recompute_flops_per_token(shape, s)
     whole = 6 * shape.layers * (3 * shape.dim * shape.ffn_active + shape.experts * shape.dim) if shape.experts else 0
     flops = ((per_token - whole) / s.tp + whole) * tokens_dp / (s.pp * s.cp)  # MoE feed-forwards whole on tp ranks
     math_kind = "fp32" if s.precision == "32-true" else "bf16"

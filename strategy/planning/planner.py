@@ -55,7 +55,7 @@ TORCHTITAN_CP: list[tuple[str, str, Setup, float, float]] = [
 ]  # fmt: skip
 
 
-def calibrate(hw: Hardware | None = None) -> dict[str, float]:
+def _calibrate(hw: Hardware | None = None) -> dict[str, float]:
     """The three calibrated inputs, each solved on one of torchtitan's 8B FSDP 8 rows: the matmul efficiency
     (eager), then the compile and the float8 speed-ups."""
     hw = hw or GPUS["h100-96gb"]
@@ -68,11 +68,11 @@ def calibrate(hw: Hardware | None = None) -> dict[str, float]:
     return cal
 
 
-CALIBRATION = calibrate()
+CALIBRATION = _calibrate()
 
 
 @dataclass(frozen=True)
-class Option:
+class _Option:
     setup: Setup
     memory: Memory
     time: StepTime | None
@@ -92,7 +92,7 @@ class Option:
         }  # fmt: skip
 
 
-def divisors(n: int) -> list[int]:
+def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -104,32 +104,32 @@ def layouts(
     cp > 1 where ``seq`` is a multiple of ``2 x cp`` and pp is 1."""
     nodes = max(world // gpus_per_node, 1)
     out = []
-    for tp in divisors(min(world, gpus_per_node)):
+    for tp in _divisors(min(world, gpus_per_node)):
         if shape.heads % tp or shape.kv_heads % tp:
             continue
-        for pp in divisors(world // tp):
+        for pp in _divisors(world // tp):
             if pp > shape.layers:
                 continue
-            for cp in divisors(world // (tp * pp)):
+            for cp in _divisors(world // (tp * pp)):
                 if cp > 1 and (seq is None or pp > 1 or seq % (2 * cp)):
                     continue
                 dp = world // (tp * pp * cp)
-                for rep in divisors(dp):
+                for rep in _divisors(dp):
                     if rep > 1 and (nodes % rep or rep == dp):
                         continue
                     out.append((pp, rep, dp // rep, tp, cp))
     return out
 
 
-def expert_degrees(shape: Shape, pp: int, shard: int, tp: int, cp: int) -> list[int]:
+def _expert_degrees(shape: Shape, pp: int, shard: int, tp: int, cp: int) -> list[int]:
     """Expert-parallel degrees to try: 1, and for an MoE model each divisor of ``dp_shard x cp`` (> 1) that divides
     its experts (EP borrows the ranks FSDP shards over)."""
     if not shape.experts:
         return [1]
-    return [ep for ep in divisors(shard * cp) if shape.experts % ep == 0]
+    return [ep for ep in _divisors(shard * cp) if shape.experts % ep == 0]
 
 
-def best_batch(shape: Shape, s: Setup, hw: Hardware, headroom: float, max_batch: int) -> tuple[Setup, Memory, bool]:
+def _best_batch(shape: Shape, s: Setup, hw: Hardware, headroom: float, max_batch: int) -> tuple[Setup, Memory, bool]:
     """The largest batch (sequences per data-parallel rank) that fits, searched over what the schedule allows."""
     step = s.m if s.pp > 1 else 1  # the micro-batches must split the batch
     batch, found = step, None
@@ -157,7 +157,7 @@ def plan(
     headroom: float = 0.9,
     compile: bool = False,
     host_memory_per_node: float = 2e12,
-) -> list[Option]:
+) -> list[_Option]:
     """Every valid layout and setting, fastest fitting first (then the ones that do not fit, smallest first)."""
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r}: choose one of {sorted(GPUS)}.")
@@ -167,17 +167,17 @@ def plan(
     options = []
     for pp, rep, shard, tp, cp in layouts(shape, world, gpus_per_node, seq):
         for offload, ac, ep in [(o, a, e) for o in (False, True) for a in (None, "selective", "full")
-                                for e in expert_degrees(shape, pp, shard, tp, cp)]:  # fmt: skip
+                                for e in _expert_degrees(shape, pp, shard, tp, cp)]:  # fmt: skip
             s = Setup(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, ep=ep, seq=seq, precision=precision,
                       ac=ac, cpu_offload=offload, compile=compile)  # fmt: skip
-            s, mem, ok = best_batch(shape, s, hw, headroom, max_batch)
+            s, mem, ok = _best_batch(shape, s, hw, headroom, max_batch)
             host_ok = mem.host * gpus_per_node <= host_memory_per_node
             ok = ok and host_ok
             t = step_time(shape, s, hw, CALIBRATION["efficiency"], CALIBRATION["compile_gain"],
                           CALIBRATION["fp8_gain"]) if ok else None  # fmt: skip
             if offload and t is not None:  # parameters, gradients and moments cross PCIe every step
                 t = replace(t, optimizer=t.optimizer + 3 * mem.host / 25e9)
-            options.append(Option(s, mem, t, ok, host_ok))
+            options.append(_Option(s, mem, t, ok, host_ok))
     fitting = sorted((o for o in options if o.fits), key=lambda o: -o.time.tokens_per_s_per_gpu)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.memory.total)
     return fitting + rest
@@ -198,7 +198,7 @@ def validation_table(hw: Hardware | None = None) -> str:
     return "\n".join(lines)
 
 
-def table(options: list[Option], limit: int = 20) -> str:
+def table(options: list[_Option], limit: int = 20) -> str:
     head = (f"{'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3} {'ep':>3} {'AC':>9} {'offload':>7} {'batch':>5} {'persist':>8} "
             f"{'gather':>7} {'activ':>7} {'logits':>7} {'total':>7} {'fits':>4} {'tok/s/GPU':>9} {'step s':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
@@ -213,7 +213,7 @@ def table(options: list[Option], limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def what_fits(options: list[Option], gpus_per_node: int = 8) -> str:
+def what_fits(options: list[_Option], gpus_per_node: int = 8) -> str:
     """Per setting (activation checkpointing x CPU offload): does any layout fit, and the best or the nearest."""
     lines = []
     for offload in (False, True):
@@ -241,7 +241,7 @@ def what_fits(options: list[Option], gpus_per_node: int = 8) -> str:
     return "\n".join(lines)
 
 
-def _name(o: Option) -> str:
+def _name(o: _Option) -> str:
     s = o.setup
     ep = f" (experts over ep{s.ep})" if s.ep > 1 else ""
     return (
@@ -251,7 +251,7 @@ def _name(o: Option) -> str:
     )
 
 
-def recommend(options: list[Option]) -> str:
+def recommend(options: list[_Option]) -> str:
     fitting = [o for o in options if o.fits]
     if not fitting:
         smallest = options[0] if options else None
