@@ -84,12 +84,16 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+def rope_frequencies(cfg: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """Rotary inverse frequencies (fp32, ``head_dim // 2``), with Llama 3's scaling when ``cfg.rope_scaling`` is set:
     wavelengths longer than ``original / low_freq_factor`` are divided by the factor, shorter than ``original /
-    high_freq_factor`` kept, and the band between interpolated smoothly (Hugging Face's "llama3" rope type)."""
+    high_freq_factor`` kept, and the band between interpolated smoothly (Hugging Face's "llama3" rope type).
+
+    Made on ``device`` (default: the host) by a few elementwise kernels there, with no host tensor and no copy:
+    the model's forward makes them on its input's device, so a GPU step waits on no host-to-device transfer."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_scaling is None:
         return inv_freq
     factor, low, high, old = (
@@ -138,7 +142,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # Rotary angles for this input's tokens (here, not in Llama.forward: between blocks the hidden state may be
         # a slice of the sequence, as under sequence parallelism); ``position_ids`` default to 0 .. s-1.
-        rope = rope_cache(s if position_ids is None else position_ids, rope_frequencies(self.cfg).to(x.device))
+        rope = rope_cache(s if position_ids is None else position_ids, rope_frequencies(self.cfg, x.device))
         # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope)

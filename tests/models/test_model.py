@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import python
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from cuboid.models import CONFIGS, TP_PLAN, TP_PLAN_NO_SP, Llama, LlamaConfig
 from cuboid.parallel.materialize import init_module
@@ -55,6 +57,36 @@ def test_meta_init_then_init_weights_equals_eager_init() -> None:
     init_module(meta)
     for (name, a), (_, b) in zip(eager.named_parameters(), meta.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+class _HostTensors(TorchDispatchMode):
+    """Records every op that takes or makes a tensor off the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tree_flatten((args, kwargs, out))[0]):
+            self.host_ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("positions", ["default", "given"])
+def test_a_step_makes_no_tensor_on_the_host(positions: str) -> None:
+    """The model on the meta device, standing in for a GPU: every tensor a forward and backward touches is on it. A
+    tensor made on the host (``torch.arange(n)`` without ``device``, ``torch.tensor``) or copied to the device shows up
+    as a CPU tensor (before: the rotary frequencies, made on the host and copied over in every attention layer: a
+    host-to-device copy per layer and microbatch on a GPU)."""
+    cfg = LlamaConfig(**{**CFG.__dict__, "rope_scaling": 8.0, "rope_original_max_seq_len": 64})
+    with torch.device("meta"):
+        model = Llama(cfg)
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        position_ids = torch.zeros(2, 16, dtype=torch.long) if positions == "given" else None
+    with _HostTensors() as mode:
+        model(tokens, position_ids=position_ids).float().pow(2).mean().backward()
+    assert mode.host_ops == []
 
 
 @pytest.mark.parametrize(("name", "billions"), [("8b", 8.03), ("70b", 70.55)])
