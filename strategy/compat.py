@@ -289,11 +289,16 @@ def shallow_module_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-# Attention ops whose outputs selective activation checkpointing keeps (aten overloads, named as torch names them).
+# Attention ops whose outputs selective activation checkpointing keeps (aten overloads, named as torch names them):
+# every fused kernel scaled_dot_product_attention can choose (torch's _fused_sdp_choice: flash, memory-efficient,
+# cuDNN, which torch prefers on Hopper with recent cuDNN, the CPU flash kernel, and the one other backends override),
+# so that backward never recomputes attention. The math path has no single op to keep.
 SDPA_OPS = (
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
 )
 
 # --- torchmetrics ----------------------------------------------------------------------------------------------

@@ -55,6 +55,19 @@ def _data(n: int = 4) -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(n, 2)), batch_size=1)
 
 
+def test_selective_checkpointing_keeps_every_fused_attention_kernel() -> None:
+    """Each fused kernel torch may pick for scaled_dot_product_attention (its forward aten op) is in
+    ``compat.SDPA_OPS``, so selective AC saves attention whichever kernel runs (cuDNN's was missing: on Hopper,
+    attention would have been recomputed in backward). A kernel a new torch adds fails here until it is listed."""
+    fused = {
+        name
+        for name in dir(torch.ops.aten)
+        if name.startswith("_scaled_dot_product_") and not name.endswith("_backward") and "_math" not in name
+    }
+    kept = {op.name().split("::")[1].split(".")[0] for op in compat.SDPA_OPS}
+    assert fused == kept, f"not kept: {sorted(fused - kept)}; no longer in torch: {sorted(kept - fused)}"
+
+
 def test_automatic_optimization_runs_step_then_zero_grad_then_backward(tmp_path) -> None:
     """Pipelining runs forward and backward inside training_step, so Cuboid zeroes gradients before the schedule
     and keeps them across Lightning's zero_grad: that relies on exactly this order."""
