@@ -8,7 +8,11 @@ Llama; the Trainer logs every ``--log-every`` steps (no progress bar). A ``Torch
 step's start to the next counts what reaches the dispatcher: host syncs (``aten._local_scalar_dense``: ``.item()``,
 ``float(t)``, ``bool(t)``; on a GPU these stall the launch queue), and each ``c10d`` collective with its bytes (the
 largest tensor argument: the gathered buffer of an all-gather, the input of a reduce-scatter). Object collectives
-(``broadcast_object_list``, ``all_gather_object``, ...) are counted where they are called. Steps split into those
+(``broadcast_object_list``, ``all_gather_object``, ...) are counted where they are called. A ``TorchFunctionMode``
+beside it counts tensors made on the host (a factory such as ``torch.tensor``, ``torch.arange`` or ``torch.zeros``
+called without ``device``: on a GPU it makes a CPU tensor, which an op with device tensors must copy over) and each
+copy of such a tensor toward a device (``.to(device)``, ``.cuda()``, ``copy_``); both are seen on CPU too. A
+deliberate host tensor names its device (``device="cpu"``: Cuboid's gloo stop flag) and is not counted. Steps split into those
 that log and those that do not; warm-up steps are dropped. ``saved KiB``: what autograd keeps for backward in one
 step (distinct storages through ``saved_tensors_hooks``: activations, and the weights matmuls keep), which
 sequence parallel shrinks (``tp2`` against ``tp2-no_sp``). Lightning's ModelParallelStrategy runs the same module
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +34,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from launch import launch_per_world, per_world_parser, write_results
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.data import DataLoader
 
@@ -50,6 +56,41 @@ LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
 }  # fmt: skip
 SITES = "--sites" in sys.argv
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+# Factories that make a tensor from sizes or Python data, on the default (host) device unless given ``device``.
+FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.range, torch.linspace, torch.zeros, torch.ones,
+             torch.full, torch.empty, torch.eye, torch.rand, torch.randn, torch.randint, torch.scalar_tensor}  # fmt: skip
+TO_DEVICE = {torch.Tensor.to, torch.Tensor.cuda}
+
+
+class HostTensors(TorchFunctionMode):
+    """Counts host-made tensors and their copies toward a device into ``counter`` (see the module docstring)."""
+
+    def __init__(self, counter: Counter) -> None:
+        super().__init__()
+        self.counter = counter
+        self.made: dict[int, weakref.ref] = {}  # id -> the host-made tensor (ids are reused once it is freed)
+
+    def _host_made(self, value: Any) -> bool:
+        ref = self.made.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return ref is not None and ref() is value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in FACTORIES and kwargs.get("device") is None:
+            self.counter.host_tensors += 1
+            self.counter._site("host tensor")
+            if isinstance(out, torch.Tensor):
+                self.made[id(out)] = weakref.ref(out)
+        elif func in TO_DEVICE and args and self._host_made(args[0]):
+            targets = [*args[1:], kwargs.get("device")]
+            if func is torch.Tensor.cuda or any(isinstance(t, (torch.device, str, torch.Tensor)) for t in targets):
+                self.counter.host_copies += 1
+                self.counter._site("host-to-device copy")
+        elif func is torch.Tensor.copy_ and len(args) > 1 and self._host_made(args[1]):
+            self.counter.host_copies += 1
+            self.counter._site("host-to-device copy")
+        return out
 
 
 class Counter(TorchDispatchMode):
@@ -61,6 +102,8 @@ class Counter(TorchDispatchMode):
         self.exclude = exclude or set()  # tensors kept on the host on purpose (AdamW's step counts): no device sync
         self.sites: dict[str, int] = defaultdict(int)
         self.host_syncs = 0
+        self.host_tensors = 0  # made on the host inside the step (HostTensors)
+        self.host_copies = 0  # of those, copies toward a device
         self.objects = 0
         self.saved: dict[int, int] = {}  # storages autograd saved for backward: data pointer -> bytes
         self.collectives: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -92,6 +135,8 @@ class Counter(TorchDispatchMode):
     def snapshot(self) -> dict[str, Any]:
         return {
             "host_syncs": self.host_syncs,
+            "host_tensors": self.host_tensors,
+            "host_copies": self.host_copies,
             "object_collectives": self.objects,
             "collectives": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(self.collectives.items())},
             "saved_bytes": sum(self.saved.values()),
@@ -112,6 +157,7 @@ class StepWindows(L.Callback):
 
     def __init__(self) -> None:
         self.counter = Counter()
+        self.host = HostTensors(self.counter)
         self.steps: list[dict[str, Any]] = []
         self._logs = False
         self._active = False
@@ -148,6 +194,7 @@ class StepWindows(L.Callback):
         self.counter.reset(steps)
         if not self._active:
             self.counter.__enter__()
+            self.host.__enter__()
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
             self._hooks.__enter__()
             self._active = True
@@ -156,6 +203,7 @@ class StepWindows(L.Callback):
         self._close()
         if self._active:
             self._hooks.__exit__(None, None, None)
+            self.host.__exit__(None, None, None)
             self.counter.__exit__(None, None, None)
             self._active = False
 
@@ -224,6 +272,8 @@ def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "steps": len(chosen),
             "saved_bytes": None if chosen[0]["saved_bytes"] is None else max(s["saved_bytes"] for s in chosen),
             "host_syncs": sum(s["host_syncs"] for s in chosen) / len(chosen),
+            "host_tensors": sum(s["host_tensors"] for s in chosen) / len(chosen),
+            "host_copies": sum(s["host_copies"] for s in chosen) / len(chosen),
             "object_collectives": sum(s["object_collectives"] for s in chosen) / len(chosen),
             "collectives": {
                 k: {
@@ -255,7 +305,8 @@ def _max_over_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for label in ("quiet", "logging"):
         present = [s[label] for s in summaries if label in s]
         if present:
-            out[label] = {k: max(p[k] for p in present) for k in ("host_syncs", "object_collectives")}
+            keys = ("host_syncs", "host_tensors", "host_copies", "object_collectives")
+            out[label] = {k: max(p[k] for p in present) for k in keys}
     return out
 
 
@@ -264,15 +315,15 @@ def _kib(nbytes: int | None) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'layout':<18}{'strategy':<14}{'step':<9}{'host syncs':>11}{'object coll.':>13}{'saved KiB':>10}  "
-             "collectives per step (count, KiB)"]  # fmt: skip
+    lines = [f"{'layout':<18}{'strategy':<14}{'step':<9}{'host syncs':>11}{'host made':>10}{'H2D':>5}"
+             f"{'object coll.':>13}{'saved KiB':>10}  collectives per step (count, KiB)"]  # fmt: skip
     for r in results:
         for label, s in r["rank0"].items():
             worst = r["max_over_ranks"][label]
             kinds = ", ".join(f"{k} {v['count']:g} ({v['bytes'] / 1024:.0f})" for k, v in s["collectives"].items())
             lines.append(
                 f"{r['layout']:<18}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
-                f"{worst['object_collectives']:>13g}{_kib(s['saved_bytes']):>10}  {kinds}"
+                f"{worst['host_tensors']:>10g}{worst['host_copies']:>5g}{worst['object_collectives']:>13g}{_kib(s['saved_bytes']):>10}  {kinds}"
             )
     return "\n".join(lines)
 

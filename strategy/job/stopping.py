@@ -8,7 +8,9 @@ handler broadcasts from inside the handler (pairing with whatever collective the
 then stop the signalled rank alone at the end of its step, and under SLURM auto-requeue its SIGUSR1 handler calls
 ``trainer.save_checkpoint`` from inside the handler, at a different point on each rank (a collective save that
 mismatches and hangs). Cuboid drops all three: the handlers only record the signal, and after each optimizer step
-a MAX all-reduce of one host integer over a gloo group tells every rank what any rank received:
+a MAX all-reduce of one host integer over a gloo group tells every rank what any rank received. That all-reduce is
+sent without waiting and read one optimizer step later (by then it has long completed), so no step waits on it: a
+request received during step N is acted on, by every rank at once, at the end of step N + 1:
 
 * a signal in ``preempt_on`` (default SIGUSR1, which ``sbatch --signal=USR1@120`` sends before the time limit,
   and SIGTERM, which SLURM sends on preemption or ``scancel``): every rank saves
@@ -80,6 +82,7 @@ class StopAgreement(L.Callback):
         self.settle_saves = settle_saves  # wait for a background save to finish (at the end of training)
         self.received = 0  # the strongest request this rank's handlers recorded (STOP or PREEMPT)
         self.preempted_to: Path | None = None
+        self._in_flight: tuple[Any, torch.Tensor] | None = None  # the last step's all-reduce and its flag
         self._mark_received: Callable[[], None] = lambda: None
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -102,17 +105,32 @@ class StopAgreement(L.Callback):
     def _on_signal(self, sig: signal.Signals) -> None:
         self.received = max(self.received, PREEMPT if sig in self.preempt_on else STOP)
 
+    def _send(self) -> tuple[Any, torch.Tensor]:
+        flag = torch.tensor([SAVE_FAILED if self.save_failure() else self.received], dtype=torch.int64, device="cpu")
+        return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
+
+    def _read(self, sent: tuple[Any, torch.Tensor] | None) -> int:
+        if sent is None:
+            return 0
+        sent[0].wait()  # sent a step ago: complete by now, unless a rank is still behind
+        return int(sent[1].tolist()[0])  # host memory
+
+    def agreed_last_step(self) -> int:
+        """What any rank had received (or SAVE_FAILED when a rank's background save had failed) by the end of the
+        previous optimizer step; this step's own flags are sent for the next call. A collective: every rank calls it
+        after each optimizer step, and every rank reads the same value."""
+        sent, self._in_flight = self._in_flight, self._send()
+        return self._read(sent)
+
     def agreed(self) -> int:
-        """The strongest request any rank received, or SAVE_FAILED when a rank's background save failed (a
-        collective: every rank calls it at the same point)."""
-        flag = torch.tensor([SAVE_FAILED if self.save_failure() else self.received], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.tolist()[0])  # host memory
+        """The strongest request any rank received up to now, waiting for it (the end of training)."""
+        sent, self._in_flight = self._in_flight, None
+        return max(self._read(sent), self._read(self._send()))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if compat.should_accumulate(trainer):  # only after an optimizer step: a checkpoint here resumes exactly
             return
-        request = self.agreed()
+        request = self.agreed_last_step()
         if request == SAVE_FAILED:
             self._raise_save_failure()
         if request == PREEMPT:
