@@ -323,7 +323,7 @@ def table(results: list[dict[str, Any]]) -> str:
             kinds = ", ".join(f"{k} {v['count']:g} ({v['bytes'] / 1024:.0f})" for k, v in s["collectives"].items())
             lines.append(
                 f"{r['layout']:<18}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
-                f"{worst['host_tensors']:>10g}{worst['host_copies']:>5g}{worst['object_collectives']:>13g}{_kib(s['saved_bytes']):>10}  {kinds}"
+                f"{worst['host_tensors']:>10.3g}{worst['host_copies']:>5.3g}{worst['object_collectives']:>13.3g}{_kib(s['saved_bytes']):>10}  {kinds}"
             )
     return "\n".join(lines)
 

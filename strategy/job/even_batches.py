@@ -72,8 +72,8 @@ class EvenBatches(L.Callback):
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return False
         mine = [-1 if math.isinf(c) else int(c) for c in counts[:_MAX_LOADERS]]
-        row = torch.full((_MAX_LOADERS + 1,), -2, dtype=torch.int64)
-        row[0], row[1 : len(mine) + 1] = len(counts), torch.tensor(mine, dtype=torch.int64)
+        row = torch.full((_MAX_LOADERS + 1,), -2, dtype=torch.int64, device="cpu")  # over gloo: host memory
+        row[0], row[1 : len(mine) + 1] = len(counts), torch.tensor(mine, dtype=torch.int64, device="cpu")
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(rows, row, group=self.group)
         table = [r.tolist() for r in rows]
@@ -104,7 +104,7 @@ class EvenBatches(L.Callback):
         self._ended = self._any_last(compat.evaluation_batch_is_last(trainer), trainer, stage)
 
     def _any_last(self, last: bool, trainer: L.Trainer, stage: str) -> bool:
-        flags = torch.tensor([int(last), int(not last)], dtype=torch.int64)
+        flags = torch.tensor([int(last), int(not last)], dtype=torch.int64, device="cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         some_last, some_more = flags.tolist()
         if some_last and some_more and stage not in self._warned:

@@ -103,7 +103,7 @@ class ResultExchange:
         """On every rank of the pp group: replay the step's logs, copy updated metric states, return the loss."""
         metrics = self._metrics(lm)
         n = len(metrics)
-        header = torch.zeros(2 + 2 * n, dtype=torch.int64)
+        header = torch.zeros(2 + 2 * n, dtype=torch.int64, device="cpu")  # host memory, over gloo: on purpose
         grouped: dict[str, list[Any]] = {}
         structure = self.structure
         if self.is_src:
@@ -118,7 +118,7 @@ class ResultExchange:
             has_loss = bool(losses)
             counts = self.update_counts(lm)
             dirty = [int(a != b) for a, b in zip(counts, counts_before, strict=True)]
-            header = torch.tensor([index, int(has_loss), *dirty, *counts], dtype=torch.int64)
+            header = torch.tensor([index, int(has_loss), *dirty, *counts], dtype=torch.int64, device="cpu")
         dist.broadcast(header, src=self.src, group=self.host_group)
         values = header.tolist()  # host memory: no device sync
         index, has_loss, dirty, counts = values[0], values[1], values[2 : 2 + n], values[2 + n :]
@@ -130,11 +130,13 @@ class ResultExchange:
         host_names = [name for name, kind, _, _ in self.structure if kind == HOST]
         device_names = [name for name, kind, _, _ in self.structure if kind == DEVICE]
 
-        host = torch.zeros(len(host_names), dtype=torch.float64)
+        host = torch.zeros(len(host_names), dtype=torch.float64, device="cpu")
         flat = torch.zeros(has_loss + len(device_names), dtype=torch.float32, device=self.device)
         if self.is_src:
             if host_names:
-                host = torch.tensor([sum(grouped[k]) / len(grouped[k]) for k in host_names], dtype=torch.float64)
+                host = torch.tensor(
+                    [sum(grouped[k]) / len(grouped[k]) for k in host_names], dtype=torch.float64, device="cpu"
+                )
             parts = []
             if has_loss:
                 parts.append(torch.stack([loss.float() for loss in losses]).mean())

@@ -210,7 +210,8 @@ class PipelineRunner:
 
         counts_before = self.results.update_counts(lm) if self.has_last else None
         self._step_loss = step_loss
-        targets = torch.arange(self.microbatches) if self.has_last else None
+        # The microbatches' indices, split by the schedule and read by step_loss: host memory on purpose.
+        targets = torch.arange(self.microbatches, device="cpu") if self.has_last else None
         run = self.schedule.step if train else self.schedule.eval
         try:
             run(*inputs, target=targets, **stage_kwargs)
