@@ -11,7 +11,8 @@ largest tensor argument: the gathered buffer of an all-gather, the input of a re
 (``broadcast_object_list``, ``all_gather_object``, ...) are counted where they are called. A ``TorchFunctionMode``
 beside it counts tensors made on the host (a factory such as ``torch.tensor``, ``torch.arange`` or ``torch.zeros``
 called without ``device``: on a GPU it makes a CPU tensor, which an op with device tensors must copy over) and each
-copy of such a tensor toward a device (``.to(device)``, ``.cuda()``, ``copy_``); both are seen on CPU too. A
+copy of such a tensor toward a device (``.to(device)``, ``.cuda()``, ``copy_``); both are seen on CPU too, and so
+is a ``.tolist()`` of a tensor not on the host (a device-to-host sync on a GPU, counted with the host syncs). A
 deliberate host tensor names its device (``device="cpu"``: Cuboid's gloo stop flag) and is not counted. Steps split into those
 that log and those that do not; warm-up steps are dropped. ``saved KiB``: what autograd keeps for backward in one
 step (distinct storages through ``saved_tensors_hooks``: activations, and the weights matmuls keep), which
@@ -36,18 +37,22 @@ import torch.distributed as dist
 from launch import launch_per_world, per_world_parser, write_results
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
 from cuboid.models import TP_PLAN_NO_SP, CausalLM, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+MOE = LlamaConfig(**{**CFG.__dict__, "n_experts": 4, "top_k": 2})  # for expert parallel: the same Llama with experts
 NO_SP = {f"model.{k}": v for k, v in TP_PLAN_NO_SP.items()}  # the reference plan without sequence/loss parallel
 LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
     2: [("dp2", "cuboid", {}), ("tp2", "cuboid", {"tensor_parallel": 2}),
         ("tp2-no_sp", "cuboid", {"tensor_parallel": 2, "tensor_parallel_plan": NO_SP}),
         ("tp2-ac_selective", "cuboid", {"tensor_parallel": 2, "activation_checkpointing": "selective"}),
         ("pp2", "cuboid", {"pipeline_parallel": 2}),
+        ("cp2", "cuboid", {"context_parallel": 2}),
+        ("ep2", "cuboid", {"expert_parallel": 2}),
         ("dp2", "lightning_mp", {}), ("tp2", "lightning_mp", {"tensor_parallel_size": 2})],
     4: [("dp2xtp2", "cuboid", {"tensor_parallel": 2}), ("pp2xdp2", "cuboid", {"pipeline_parallel": 2}),
         ("pp2xdp2-reshard", "cuboid", {"pipeline_parallel": 2, "reshard_after_forward": True}),
@@ -60,36 +65,57 @@ OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_obje
 FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.range, torch.linspace, torch.zeros, torch.ones,
              torch.full, torch.empty, torch.eye, torch.rand, torch.randn, torch.randint, torch.scalar_tensor}  # fmt: skip
 TO_DEVICE = {torch.Tensor.to, torch.Tensor.cuda}
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy}  # read on the host (``.item()`` is counted at dispatch)
 
 
 class HostTensors(TorchFunctionMode):
-    """Counts host-made tensors and their copies toward a device into ``counter`` (see the module docstring)."""
+    """Counts into ``counter`` the tensors a step makes on the host, their copies toward a device, and host reads of
+    device tensors that do not reach the dispatcher on CPU (``.tolist()``: a device-to-host sync on a GPU). It follows
+    which tensors live on the host: a factory's without ``device`` (counted) or with ``device="cpu"`` spelt out (on
+    purpose; a ``torch.device`` taken from a tensor is the device side, even when a CPU run makes it ``cpu``),
+    and whatever an op computes from host tensors alone."""
 
     def __init__(self, counter: Counter) -> None:
         super().__init__()
         self.counter = counter
-        self.made: dict[int, weakref.ref] = {}  # id -> the host-made tensor (ids are reused once it is freed)
+        self.host: dict[int, weakref.ref] = {}  # id -> a tensor on the host (ids are reused once it is freed)
 
-    def _host_made(self, value: Any) -> bool:
-        ref = self.made.get(id(value)) if isinstance(value, torch.Tensor) else None
+    def _on_host(self, value: Any) -> bool:
+        ref = self.host.get(id(value)) if isinstance(value, torch.Tensor) else None
         return ref is not None and ref() is value
+
+    def _mark(self, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.host[id(t)] = weakref.ref(t)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in FACTORIES and kwargs.get("device") is None:
-            self.counter.host_tensors += 1
-            self.counter._site("host tensor")
-            if isinstance(out, torch.Tensor):
-                self.made[id(out)] = weakref.ref(out)
-        elif func in TO_DEVICE and args and self._host_made(args[0]):
-            targets = [*args[1:], kwargs.get("device")]
-            if func is torch.Tensor.cuda or any(isinstance(t, (torch.device, str, torch.Tensor)) for t in targets):
+        device = kwargs.get("device")
+        if func in FACTORIES and (device is None or device == "cpu"):  # "cpu" spelt out: meant for the host
+            if device is None:
+                self.counter.host_tensors += 1
+                self.counter._site("host tensor")
+            self._mark(out)
+        elif func in TO_DEVICE:
+            targets = [*args[1:], device]
+            moves = func is torch.Tensor.cuda or any(isinstance(t, (torch.device, str, torch.Tensor)) for t in targets)
+            if moves and self._on_host(args[0]):
                 self.counter.host_copies += 1
                 self.counter._site("host-to-device copy")
-        elif func is torch.Tensor.copy_ and len(args) > 1 and self._host_made(args[1]):
-            self.counter.host_copies += 1
-            self.counter._site("host-to-device copy")
+        elif func is torch.Tensor.copy_:
+            if len(args) > 1 and self._on_host(args[1]) and not self._on_host(args[0]):
+                self.counter.host_copies += 1
+                self.counter._site("host-to-device copy")
+        elif func in HOST_READS:  # torch's own reads (inside an object collective) are counted as that collective
+            if not self._on_host(args[0]) and "/torch/" not in sys._getframe(1).f_code.co_filename:
+                self.counter.host_syncs += 1
+                self.counter._site("sync")
+        else:
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if inputs and all(self._on_host(t) for t in inputs):
+                self._mark(out)  # computed from host tensors alone: still on the host
         return out
 
 
@@ -127,7 +153,7 @@ class Counter(TorchDispatchMode):
             return
         import traceback
 
-        frames = [f for f in traceback.extract_stack()[:-3] if "/torch/" not in f.filename]
+        frames = [f for f in traceback.extract_stack()[:-3] if "/torch/" not in f.filename and f.filename != __file__]
         if frames:
             f = frames[-1]
             self.sites[f"{what} @ {Path(f.filename).name}:{f.lineno} {f.name}"] += 1
@@ -228,7 +254,8 @@ def run_layout(name: str, kind: str, kwargs: dict, world: int, steps: int, log_e
     L.seed_everything(0, verbose=False)
     if kind == "cuboid":
         strategy: Any = CuboidStrategy(timeout=timedelta(seconds=120), **kwargs)
-        module: CausalLM = CausalLM(model=CFG, warmup_steps=2, max_steps=steps)
+        model = MOE if kwargs.get("expert_parallel", 1) > 1 else CFG
+        module: CausalLM = CausalLM(model=model, warmup_steps=2, max_steps=steps)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
