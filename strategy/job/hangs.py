@@ -10,7 +10,8 @@ Three parts:
   recorder (a ring of the last ``entries`` collectives per process, gloo and NCCL alike) and, on NCCL, its dump on
   timeout, to ``<dump_dir>/rank_<r>`` (a user's own ``TORCH_*`` settings win). On NCCL, torch's analyzer
   ``torchfrtrace <dump_dir> -p rank_`` names the first collective the ranks disagree on (torch 2.13's gloo dumps
-  lack the group table it needs; the message below does that analysis for gloo).
+  lack the group table it needs; the message below does that analysis for gloo). Cuboid's own dump, written with
+  the message, is ``<dump_dir>/cuboid_rank_<r>``: beside NCCL's, never over it.
 * **The message** (gloo, and NCCL with ``TORCH_NCCL_BLOCKING_WAIT``, where the timeout reaches Python as an
   exception): :class:`HangReport` posts this rank's status (the last sequence number it issued on each group, from
   its flight recorder) in the rendezvous store and marks the job there; every other rank's peer watchdog thread
@@ -38,6 +39,7 @@ from cuboid import compat
 from cuboid.job.watchdog import mark_job
 from cuboid.parallel import dim_groups
 
+_DUMP_PREFIX = "cuboid_rank_"  # Cuboid's dump; torch's (TORCH_FR_DUMP_TEMP_FILE, NCCL's) are rank_<r>
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "DistTimeoutError")
 
 
@@ -158,8 +160,10 @@ class HangReport:
             lines.append("No rank's flight recorder shows which rank is missing (a rank that exited?).")
         dumped = _write_dump(self.dump_dir, self.rank)
         if dumped is not None:
-            tool = f"; torchfrtrace {dumped.parent} -p rank_ compares them" if dist.get_backend() == "nccl" else ""
-            lines.append(f"Each rank's flight recorder: {dumped.parent}/rank_<r>{tool}.")
+            lines.append(f"Each rank's flight recorder: {dumped.parent}/{_DUMP_PREFIX}<r>.")
+            if dist.get_backend() == "nccl":
+                lines.append(f"NCCL's own, written by torch's watchdog: {dumped.parent}/rank_<r> (torchfrtrace "
+                             f"{dumped.parent} -p rank_ compares them).")  # fmt: skip
         lines.append("Every rank of the job is being stopped; resume from the last checkpoint.")
         if self.store is not None:
             self.store.set(f"{_DONE}{self.rank}", "1")
@@ -206,12 +210,13 @@ class HangReport:
 
 
 def _write_dump(dump_dir: Path | None, rank: int) -> Path | None:
-    """This rank's flight recorder, pickled as torch dumps it, to ``<dump_dir>/rank_<rank>``."""
+    """This rank's flight recorder, pickled as torch dumps it, to ``<dump_dir>/cuboid_rank_<rank>`` (torch's own dumps,
+    NCCL's on a timeout among them, take ``rank_<rank>`` in the same folder)."""
     if dump_dir is None:
         return None
     try:
         dump_dir.mkdir(parents=True, exist_ok=True)
-        path = dump_dir / f"rank_{rank}"
+        path = dump_dir / f"{_DUMP_PREFIX}{rank}"
         path.write_bytes(compat.flight_recorder_dump())
         return path
     except Exception as err:  # noqa: BLE001  (a report must not fail on a full disk)

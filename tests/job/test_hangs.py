@@ -40,7 +40,8 @@ def test_a_stuck_rank_times_out_with_the_collective_its_dimension_and_the_rank_n
     for message in (zero, three):
         assert "did not complete within 4 s" in message and "Rank 1 never joined it" in message, message
         assert stuck_line in message, message
-    assert sorted(p.name for p in (tmp_path / "flight_recorder").iterdir()) == [f"rank_{r}" for r in range(4)]
+        assert "flight_recorder/cuboid_rank_<r>." in message, message  # beside torch's own rank_<r>, never over it
+    assert sorted(p.name for p in (tmp_path / "flight_recorder").iterdir()) == [f"cuboid_rank_{r}" for r in range(4)]
 
 
 @pytest.mark.slow
