@@ -13,11 +13,11 @@ beside it counts tensors made on the host (a factory such as ``torch.tensor``, `
 called without ``device``: on a GPU it makes a CPU tensor, which an op with device tensors must copy over) and each
 copy of such a tensor toward a device (``.to(device)``, ``.cuda()``, ``copy_``); both are seen on CPU too, and so
 is a ``.tolist()`` of a tensor not on the host (a device-to-host sync on a GPU, counted with the host syncs). A
-deliberate host tensor names its device (``device="cpu"``: Cuboid's gloo stop flag) and is not counted. Steps split into those
-that log and those that do not; warm-up steps are dropped. ``saved KiB``: what autograd keeps for backward in one
-step (distinct storages through ``saved_tensors_hooks``: activations, and the weights matmuls keep), which
-sequence parallel shrinks (``tp2`` against ``tp2-no_sp``). Lightning's ModelParallelStrategy runs the same module
-on the dp x tp layouts (parallelized by hand, as bench.py does). Writes ``docs/bench/overhead.json``.
+deliberate host tensor names its device (``device="cpu"``: Cuboid's gloo stop flag) and is not counted. Steps split
+into those that log and those that do not; warm-up steps are dropped. ``saved KiB``: what autograd keeps for
+backward in one step (distinct storages through ``saved_tensors_hooks``: activations, and the weights matmuls
+keep), which sequence parallel shrinks (``tp2`` against ``tp2-no_sp``). Lightning's ModelParallelStrategy runs the
+same module on the dp x tp layouts (parallelized by hand, as bench.py does). Writes ``docs/bench/overhead.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import sys
 import weakref
 from collections import defaultdict
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from cuboid import CuboidStrategy
 from cuboid.models import TP_PLAN_NO_SP, CausalLM, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
-MOE = LlamaConfig(**{**CFG.__dict__, "n_experts": 4, "top_k": 2})  # for expert parallel: the same Llama with experts
+MOE = replace(CFG, n_experts=4, top_k=2)  # for expert parallel: the same Llama with experts
 NO_SP = {f"model.{k}": v for k, v in TP_PLAN_NO_SP.items()}  # the reference plan without sequence/loss parallel
 LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
     2: [("dp2", "cuboid", {}), ("tp2", "cuboid", {"tensor_parallel": 2}),
@@ -63,7 +64,8 @@ SITES = "--sites" in sys.argv
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 # Factories that make a tensor from sizes or Python data, on the default (host) device unless given ``device``.
 FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.range, torch.linspace, torch.zeros, torch.ones,
-             torch.full, torch.empty, torch.eye, torch.rand, torch.randn, torch.randint, torch.scalar_tensor}  # fmt: skip
+             torch.full, torch.empty, torch.eye, torch.rand, torch.randn, torch.randint,
+             torch.scalar_tensor}  # fmt: skip
 TO_DEVICE = {torch.Tensor.to, torch.Tensor.cuda}
 HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy}  # read on the host (``.item()`` is counted at dispatch)
 
@@ -350,7 +352,8 @@ def table(results: list[dict[str, Any]]) -> str:
             kinds = ", ".join(f"{k} {v['count']:g} ({v['bytes'] / 1024:.0f})" for k, v in s["collectives"].items())
             lines.append(
                 f"{r['layout']:<18}{r['strategy']:<14}{label:<9}{worst['host_syncs']:>11g}"
-                f"{worst['host_tensors']:>10.3g}{worst['host_copies']:>5.3g}{worst['object_collectives']:>13.3g}{_kib(s['saved_bytes']):>10}  {kinds}"
+                f"{worst['host_tensors']:>10.3g}{worst['host_copies']:>5.3g}{worst['object_collectives']:>13.3g}"
+                f"{_kib(s['saved_bytes']):>10}  {kinds}"
             )
     return "\n".join(lines)
 

@@ -39,7 +39,8 @@ from cuboid import compat
 from cuboid.job.watchdog import mark_job
 from cuboid.parallel import dim_groups
 
-_DUMP_PREFIX = "cuboid_rank_"  # Cuboid's dump; torch's (TORCH_FR_DUMP_TEMP_FILE, NCCL's) are rank_<r>
+_DUMP_PREFIX = "cuboid_rank_"  # Cuboid's dump, beside torch's own
+_TORCH_DUMP_PREFIX = "rank_"  # torch's dumps (TORCH_FR_DUMP_TEMP_FILE, NCCL's on a timeout)
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "DistTimeoutError")
 
 
@@ -48,11 +49,11 @@ def flight_recorder_env(dump_dir: Path, entries: int, backend: str) -> None:
     if entries <= 0:
         return
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(dump_dir / "rank_"))
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(dump_dir / _TORCH_DUMP_PREFIX))
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(dump_dir / "rank_"))
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(dump_dir / _TORCH_DUMP_PREFIX))
         dump_dir.mkdir(parents=True, exist_ok=True)  # NCCL's watchdog writes there without creating it
 
 
@@ -162,8 +163,8 @@ class HangReport:
         if dumped is not None:
             lines.append(f"Each rank's flight recorder: {dumped.parent}/{_DUMP_PREFIX}<r>.")
             if dist.get_backend() == "nccl":
-                lines.append(f"NCCL's own, written by torch's watchdog: {dumped.parent}/rank_<r> (torchfrtrace "
-                             f"{dumped.parent} -p rank_ compares them).")  # fmt: skip
+                lines.append(f"NCCL's own, written by torch's watchdog: {dumped.parent}/{_TORCH_DUMP_PREFIX}<r> "
+                             f"(torchfrtrace {dumped.parent} -p {_TORCH_DUMP_PREFIX} compares them).")  # fmt: skip
         lines.append("Every rank of the job is being stopped; resume from the last checkpoint.")
         if self.store is not None:
             self.store.set(f"{_DONE}{self.rank}", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_a_step_makes_no_tensor_on_the_host(positions: str) -> None:
     tensor made on the host (``torch.arange(n)`` without ``device``, ``torch.tensor``) or copied to the device shows up
     as a CPU tensor (before: the rotary frequencies, made on the host and copied over in every attention layer: a
     host-to-device copy per layer and microbatch on a GPU)."""
-    cfg = LlamaConfig(**{**CFG.__dict__, "rope_scaling": 8.0, "rope_original_max_seq_len": 64})
+    cfg = replace(CFG, rope_scaling=8.0, rope_original_max_seq_len=64)
     with torch.device("meta"):
         model = Llama(cfg)
         tokens = torch.zeros(2, 16, dtype=torch.long)
