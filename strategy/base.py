@@ -81,6 +81,12 @@ class MeshCollectives:
     _process_group_backend: str | None = None
     parallel_devices: list[torch.device] | None
     local_rank: int
+    # After setup: how many pieces of a meta-built model rank 0 initialised ("initialized") and how many tensors
+    # built for real it sent ("sent"); both 0 when a checkpoint about to be loaded fills every weight.
+    weights_made: dict[str, int] = {}  # noqa: RUF012  (replaced, never changed in place)
+    # A model built on the meta device in configure_model is given storage and initialised here, shard by shard
+    # (what cuboid.models.CausalLM(meta_init=None) asks a strategy).
+    materializes_meta = True
 
     def init_build(self, arguments: Mapping[str, Any], reshard_after_forward: bool | int) -> None:
         """Check and keep the arguments both doors take, read by name from the door's ``arguments`` (its
@@ -139,6 +145,8 @@ class MeshCollectives:
         if after_group is not None:
             after_group()
         self.dims.build(device.type)
+        if device.type != "cpu":  # DTensor's RNG tracker, made here on every rank (not lazily, by some stages only)
+            compat.start_dtensor_rng(self.device_mesh)
         return layout
 
     def parallel_settings(self, mp_policy: Any) -> ParallelSettings:
@@ -198,18 +206,24 @@ class MeshCollectives:
         mp_policy: Any,
         pretrained: Mapping[str, str],
         build_stages: Callable[[ParallelSettings], Any] | None = None,
+        restored: set[str] = frozenset(),  # type: ignore[assignment]
     ) -> Any:
         """Parallelize ``root`` in place: its weights prepared (a meta model initialised by its own init), then tp,
         activation checkpointing, compile and FSDP2 per block (by ``build_stages(settings)`` under pp, which keeps
-        this rank's stages), then its weights filled shard by shard. Returns what ``build_stages`` returned."""
-        weights = prepare_weights(root, pretrained, self.root_device, pipelined=build_stages is not None)
+        this rank's stages), then its weights filled shard by shard. ``restored``: the names a checkpoint about to
+        be loaded fills, left uninitialised. Returns what ``build_stages`` returned. ``weights_made`` then says
+        how many pieces rank 0 initialised and how many real tensors it sent."""
+        pipelined = build_stages is not None
+        weights = prepare_weights(root, pretrained, self.root_device, pipelined=pipelined, restored=restored)
         settings = self.parallel_settings(mp_policy)
         stages = None
         if build_stages is not None:
             stages = build_stages(settings)
         else:
             parallelize_plain(root, blocks, matched, settings)
-        finish_weights(root, weights, blocks, self.root_device, submesh(self.device_mesh, "dp"), self.cpu_offload)
+        dp_mesh = submesh(self.device_mesh, "dp")
+        finish_weights(root, weights, blocks, self.root_device, dp_mesh, self.cpu_offload, self.device_mesh)
+        self.weights_made = dict(weights.made)
         return stages
 
     def hook_step(

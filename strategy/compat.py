@@ -174,7 +174,51 @@ def take_over_slurm_requeue_signal(trainer: Any, on_signal: Callable[[], None]) 
     trainer._signal_connector._slurm_sigusr_handler_fn = notify
 
 
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN: Any = _Unknown()  # pending_checkpoint could not tell
+
+
+def pending_checkpoint(trainer: Any) -> Any:
+    """The checkpoint the running ``fit``/``validate``/``test``/``predict`` of ``trainer`` will restore once the
+    strategy is set up: a path, ``None`` when it restores none, or :data:`UNKNOWN` when this Lightning does not let
+    it be found (callers then act as if a checkpoint may not come). Lightning resolves ``ckpt_path`` (``"last"``,
+    ``"hpc"``, a registry name) before ``Trainer._run`` and keeps it in that call's argument until
+    ``_restore_modules_and_callbacks`` hands it to ``Strategy.load_checkpoint``, after ``Strategy.setup``; no
+    public attribute holds it before then (``trainer.ckpt_path`` is set only at the restore). Read from the frame
+    of ``Trainer._run`` for this trainer on the current call stack."""
+    import sys
+
+    run = getattr(type(trainer), "_run", None)
+    code = getattr(run, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("ckpt_path", UNKNOWN)
+        frame = frame.f_back
+    return UNKNOWN
+
+
 # --- torch -----------------------------------------------------------------------------------------------------
+
+
+def start_dtensor_rng(mesh: Any) -> bool:
+    """Make DTensor's random-number tracker now, on every rank, where the mesh's device has one (CUDA and alike);
+    returns whether one was made. DTensor makes it lazily at the first random op on a DTensor (dropout on a
+    sequence-parallel activation, a DTensor init), with a broadcast of rank 0's RNG state over the world: under
+    pipeline parallelism only some stages get there, and the others never join that broadcast (a hang). Made here,
+    at set-up, every rank joins. ``torch.distributed.tensor._random``'s ``_rng_tracker`` and
+    ``OffsetBasedRNGTracker`` are what DTensor's dispatcher reads and makes (torch 2.11 and 2.13); its public
+    ``manual_seed`` makes one without the broadcast and needs every rank seeded alike, which Cuboid cannot assume."""
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is not None or not _random.is_rng_supported_mesh(mesh):
+        return False
+    _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
+    return True
 
 
 def is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:

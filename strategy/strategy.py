@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from cuboid import compat
 from cuboid.base import MeshStrategy
-from cuboid.checkpoint import Checkpointer, CheckpointHooks
+from cuboid.checkpoint import Checkpointer, CheckpointHooks, restored_names
 from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
 from cuboid.measure import Estimate, check_fits, device_bytes, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
@@ -226,7 +226,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.pretrained)
         else:
-            self._parallelize(lm)
+            self._parallelize(lm, self._restored(trainer, lm))
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
         self.job_guard.extra_group(self.checkpointer.group)
@@ -248,9 +248,21 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def _device_capacity(self) -> float | None:
         return device_bytes(self.root_device, self.cpu_offload)
 
-    def _parallelize(self, lm: pl.LightningModule) -> None:
+    @staticmethod
+    def _restored(trainer: pl.Trainer, lm: pl.LightningModule) -> set[str]:
+        """The names a checkpoint about to be loaded (``fit(ckpt_path=...)``, ``validate(ckpt_path=...)``, the main
+        job's ``auto``) fills: initialising them would be wasted, so they are not. Empty without a checkpoint, when
+        it is loaded leniently (``strict_loading=False``), or when the path cannot be told."""
+        pending = compat.pending_checkpoint(trainer)
+        if pending is None or pending is compat.UNKNOWN or not lm.strict_loading:
+            return set()
+        rank_zero_info(f"Cuboid: the checkpoint {pending} fills the weights: they are not initialised first")
+        return restored_names(lm)
+
+    def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
-        parallelizes the whole module. Weights are prepared before either and filled once sharded."""
+        parallelizes the whole module. Weights are prepared before either and filled once sharded (``restored``:
+        names a checkpoint will fill, left uninitialised)."""
         matched = resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
         matched, self.loss_parallel.enabled = with_loss_parallel(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled
@@ -269,7 +281,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
                 return self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
 
         mp_policy = self.precision_plugin.mixed_precision_policy
-        stages = self.build_model(lm, blocks, matched, mp_policy, self.pretrained, build_stages)
+        stages = self.build_model(lm, blocks, matched, mp_policy, self.pretrained, build_stages, restored)
         if pipelined:
             self.pipelining.build_schedule(stages, mesh, self.root_device)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs

@@ -456,3 +456,52 @@ def test_sync_batchnorm_reaches_the_strategy_as_layer_sync() -> None:
     assert isinstance(compat.layer_sync(trainer.strategy), TorchSyncBatchNorm)
     trainer = L.Trainer(strategy=CuboidStrategy(), accelerator="cpu", devices=2, logger=False)
     assert compat.layer_sync(trainer.strategy) is None
+
+
+def test_pending_checkpoint_is_the_path_the_run_will_restore_known_at_setup(tmp_path) -> None:
+    """Cuboid skips weight initialization when a checkpoint is about to overwrite it: at ``setup`` (before
+    ``configure_model`` and the strategy's setup) the path ``fit``/``validate`` will restore must be readable, and
+    ``None`` when there is none; outside a run it is UNKNOWN (then Cuboid initializes, as if none came)."""
+
+    class Seen(_Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pending: list[object] = []
+
+        def setup(self, stage: str) -> None:
+            self.pending.append(compat.pending_checkpoint(self.trainer))
+
+        def validation_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+    first = Seen()
+    trainer = _trainer(tmp_path, max_steps=1, enable_checkpointing=False)
+    trainer.fit(first, _data())
+    assert first.pending == [None]
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    for method in ("fit", "validate"):
+        again = Seen()
+        getattr(_trainer(tmp_path, max_steps=2), method)(again, _data(), ckpt_path=str(tmp_path / "a.ckpt"))
+        assert again.pending == [str(tmp_path / "a.ckpt")], (method, again.pending)
+    assert compat.pending_checkpoint(trainer) is compat.UNKNOWN
+
+
+def test_dtensor_rng_tracker_is_the_one_dtensors_dispatcher_reads_and_makes() -> None:
+    """compat.start_dtensor_rng sets torch.distributed.tensor._random._rng_tracker (an OffsetBasedRNGTracker made
+    with run_state_sync) so that DTensor's dispatcher, which makes one lazily when that is unset, does not. Pinned:
+    the name the dispatcher reads, the class and its argument; on a CPU mesh nothing is made (no tracker there)."""
+    import inspect
+
+    from torch.distributed.tensor import _dispatch, _random
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    assert "random._rng_tracker" in inspect.getsource(_dispatch) and _random._rng_tracker is None
+    assert "run_state_sync" in inspect.signature(_random.OffsetBasedRNGTracker).parameters
+    compat.init_fake_process_group(2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that CPU meshes have no DTensor random support
+            assert compat.start_dtensor_rng(init_device_mesh("cpu", (2,))) is False
+        assert _random._rng_tracker is None
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ from cuboid.checkpoint.hooks import CheckpointHooks
 from cuboid.checkpoint.pretrained import PretrainedError
 from cuboid.checkpoint.pretrained import load as load_pretrained
 from cuboid.checkpoint.pretrained import plan_all as plan_pretrained
-from cuboid.checkpoint.resume import latest_checkpoint
+from cuboid.checkpoint.resume import latest_checkpoint, restored_names
 
 __all__ = [
     "CheckpointError",
@@ -27,4 +27,5 @@ __all__ = [
     "load_pretrained",
     "plan_pretrained",
     "read_model_weights",
+    "restored_names",
 ]

@@ -1,10 +1,14 @@
-"""Resuming: the newest complete checkpoint of a directory, and the batches a mid-epoch resume skips."""
+"""Resuming: the newest complete checkpoint of a directory, what a checkpoint restores (so that it is not initialised
+first), and the batches a mid-epoch resume skips."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
+from cuboid.adapters import frozen_base_names
 from cuboid.checkpoint.format import META_FILE
 from cuboid.checkpoint.sharded import is_sharded_checkpoint
 
@@ -29,6 +33,13 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         elif target.is_file():
             found[target] = target.stat().st_mtime
     return max(found, key=found.__getitem__) if found else None
+
+
+def restored_names(module: nn.Module) -> set[str]:
+    """The names a checkpoint of ``module`` sets when loaded strictly: its parameters and persistent buffers, as
+    ``state_dict`` names them, less a PEFT model's frozen base (an adapter's checkpoint does not store it). A
+    non-persistent buffer is not among them: it is initialised even when a checkpoint comes."""
+    return set(nn.Module.state_dict(module, keep_vars=True)) - frozen_base_names(module)
 
 
 class SkipFirstBatches:

@@ -7,7 +7,7 @@ Cuboid's own gloo group is ``cuboid_host``), its kind and its tensors' sizes and
 full tensor: the gathered output of an all-gather, the input of a reduce-scatter, all-reduce or send/recv (so a
 ring moves about ``(n - 1) / n`` of them per rank). On logging steps rank 0 logs ``comm/<dim>/<kind>_MB`` and
 ``comm/<dim>/<kind>_count`` to the Trainer's loggers (W&B in the main job). ``CommLedger.steps`` keeps every
-step's table.
+step's table, and ``CommLedger.setup_table`` the collectives before the first step (the build, a checkpoint's load).
 
 Cost: reading the recorder copies its ring (up to ``flight_recorder`` entries) once per optimizer step, on the
 host; nothing touches the device. Meant for runs that look at communication, not for every production step.
@@ -92,10 +92,19 @@ class CommLedger(L.Callback):
     def __init__(self, log: bool = True) -> None:
         self.log = log
         self.steps: list[dict[str, dict[str, list[int]]]] = []
+        # Everything before the first step, in one table of the same shape: the build (the weights rank 0 sends,
+        # under pp over groups named cuboid_weights_stage<s>), a checkpoint's load (as far as the recorder's ring
+        # still holds it).
+        self.setup_table: dict[str, dict[str, list[int]]] = {}
+        self._setup_from = -1
         self._last = -1  # the newest flight-recorder record already counted
         self._groups: dict[str, tuple[str, int]] = {}
         self._p2p: Any = None  # on gloo with pp > 1 (see the module docstring)
         self._p2p_active = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Before the model is built: where the set-up's collectives start (an earlier fit's are not counted)."""
+        self._setup_from = max((e["record_id"] for e in compat.flight_recorder_entries()), default=-1)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         entries = compat.flight_recorder_entries()
@@ -111,6 +120,7 @@ class CommLedger(L.Callback):
             mesh = None
         experts = getattr(trainer.strategy, "experts_layout", None)
         self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
+        self.setup_table = _tally([e for e in entries if e["record_id"] > self._setup_from], self._groups)
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
 

@@ -69,13 +69,23 @@ class Weights:
     loaded: set[str] = field(default_factory=set)  # names a pretrained source fills
     on_meta: set[str] = field(default_factory=set)  # names built on the meta device
     twins: dict[str, Any] = field(default_factory=dict)  # meta twins for rank 0's init
+    restored: set[str] = field(default_factory=set)  # names a checkpoint about to be loaded fills: not initialised
+    kept: dict[str, Any] = field(default_factory=dict)  # under pp: what was built for real, sent after the split
+    made: dict[str, int] = field(default_factory=lambda: {"initialized": 0, "sent": 0})  # pieces rank 0 initialised,
+    # tensors sent from rank 0 (what was built for real)
 
 
 def prepare_weights(
-    lm: nn.Module, pretrained: Mapping[str, Any] | None, device: torch.device, *, pipelined: bool
+    lm: nn.Module,
+    pretrained: Mapping[str, Any] | None,
+    device: torch.device,
+    *,
+    pipelined: bool,
+    restored: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> Weights:
     """Check every pretrained source before any work, keep meta twins, move what was built for real to ``device``
-    with rank 0's values on every rank."""
+    with rank 0's values on every rank (under pp: kept, to be sent to its stage once split). ``restored``: the names
+    a checkpoint about to be loaded fills; they are neither initialised nor sent."""
     direct = [n for n, _ in lm.named_parameters(recurse=False)]
     if direct and pipelined:
         raise TypeError(
@@ -84,11 +94,16 @@ def prepare_weights(
         )
     sources = plan_pretrained(lm, pretrained or {})  # every source checked before any work
     loaded = set().union(*(plan.lightning_names() for plan in sources))
+    skip = loaded | set(restored)
     on_meta = materialize.meta_names(lm)
-    twins = materialize.meta_twins(lm) if on_meta - loaded else {}
+    twins = materialize.meta_twins(lm) if on_meta - skip else {}
     materialize.to_device_except_parameters(lm, device)
-    materialize.broadcast_from_rank0(lm, device, skip=loaded)  # what was built for real: rank 0's values everywhere
-    return Weights(sources, loaded, on_meta, twins)
+    weights = Weights(sources, loaded, on_meta, twins, set(restored))
+    if pipelined:  # sent once the stages are split, to the ranks that keep each tensor
+        weights.kept = materialize.keep_for_stages(lm, skip)
+    else:  # what was built for real: rank 0's values everywhere
+        weights.made["sent"] = materialize.broadcast_from_rank0(lm, device, skip=skip)
+    return weights
 
 
 def _lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
@@ -114,15 +129,20 @@ def finish_weights(
     device: torch.device,
     dp_mesh: DeviceMesh,
     cpu_offload: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> None:
-    """Once sharded: materialize what was on meta (from the twins, block by block), load the pretrained sources,
-    and keep parameters left outside every FSDP unit in step over ``dp_mesh``."""
+    """Once sharded: send what was built for real under pp (``mesh``: the whole device mesh, whose ``pp`` stages
+    decide who receives what), materialize what was on meta (from the twins, block by block), load the pretrained
+    sources, and keep parameters left outside every FSDP unit in step over ``dp_mesh``."""
+    weights.made["sent"] += materialize.send_kept(lm, weights.kept, device, mesh)
+    weights.kept = {}
     if weights.on_meta:
         block_names = {name for name, _ in blocks}
         # Under CPU offload FSDP2 keeps the sharded parameters on the host: materialize them there.
         param_device = torch.device("cpu") if cpu_offload else None
-        materialize.materialize_streamed(
-            lm, weights.twins, weights.on_meta, device, block_names, weights.loaded, param_device
+        skip = weights.loaded | weights.restored
+        weights.made["initialized"] = materialize.materialize_streamed(
+            lm, weights.twins, weights.on_meta, device, block_names, skip, param_device, mesh
         )
     for plan in weights.sources:
         load_pretrained(lm, plan)

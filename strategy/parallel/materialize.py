@@ -4,21 +4,25 @@ Two cases:
 
 * The model was built with real weights (the usual ``__init__``). Every rank seeded the same
   way, but to be safe against unseeded construction, rank 0's values are broadcast to all ranks
-  (as DDP does), one tensor at a time. Parameters stay in host memory until ``fully_shard`` moves each
+  (as DDP does), one tensor at a time; under pipeline parallelism, once the stages are split, to the ranks of the
+  stages that keep each tensor. Parameters stay in host memory until ``fully_shard`` moves each
   block's to the accelerator as it shards it.
 * The model was built on the meta device (``with torch.device("meta")`` in ``configure_model``),
   so a model too large for one accelerator never materializes there. Cuboid keeps a meta copy
   (a twin) of each top-level child, shards the original and gives its *meta* tensors empty storage. Then rank 0
   walks the twin piece by piece (a block, or one module's own tensors such as the embedding), gives that piece
   host storage, runs the model's own init (``init_weights()`` where a module defines it, else
-  ``reset_parameters()``; then PEFT's for LoRA adapters), broadcasts the piece tensor by tensor and frees it; every rank keeps its slice. The
+  ``reset_parameters()``; then PEFT's for LoRA adapters), sends the piece tensor by tensor to the ranks that hold
+  it (under pipeline parallelism, its stage's ranks only: ``cuboid.parallel.delivery``) and frees it; every rank
+  keeps its slice. The
   init runs over the whole twin each time, but draws random numbers only for the piece's real tensors, so the
   values equal one full init of the model. This avoids DTensor random init, which on CPU writes the same numbers
   into every shard.
 
 Only what was on the meta device is materialized: a torchmetrics metric or a submodule built for
 real in ``__init__`` (beside a model built on meta in ``configure_model``) keeps its values, and
-they are broadcast from rank 0 like a model built for real. What ``pretrained=`` fills is skipped.
+they are broadcast from rank 0 like a model built for real. What ``pretrained=`` fills is skipped, and so is what
+a checkpoint about to be loaded fills (``ckpt_path``): then nothing is initialised, only given storage.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from cuboid.adapters import init_adapters
 from cuboid.compat import module_apply
+from cuboid.parallel.delivery import Delivery
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:
@@ -79,21 +84,64 @@ def _is_parameter(module: nn.Module, name: str) -> bool:
     return leaf in module.get_submodule(owner)._parameters
 
 
-def broadcast_from_rank0(module: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+def broadcast_from_rank0(module: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> int:  # type: ignore[assignment]
     """Overwrite every real parameter and buffer with rank 0's values (plain, unsharded tensors; meta ones and
-    the names in ``skip`` left alone), one tensor at a time through ``device`` when it lives elsewhere."""
+    the names in ``skip`` left alone), one tensor at a time through ``device`` when it lives elsewhere. Returns
+    how many tensors were sent."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+        return 0
+    sent = 0
     with torch.no_grad():
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if tensor.is_meta or name in skip:
                 continue
+            sent += 1
             if tensor.device == device:
                 dist.broadcast(tensor.data, src=0)
             else:
                 staged = tensor.data.to(device)
                 dist.broadcast(staged, src=0)
                 tensor.data.copy_(staged)
+    return sent
+
+
+def keep_for_stages(module: nn.Module, skip: set[str] = frozenset()) -> dict[str, tuple[torch.Tensor, list[str]]]:  # type: ignore[assignment]
+    """Under pipeline parallelism, what was built for real is sent once the stages are split, to the ranks that
+    keep it (:func:`send_kept`): each real tensor (less ``skip``) by its first name, with all its names. Rank 0
+    keeps its values; the other ranks keep meta stand-ins (shape and dtype), so their copies are freed as sharding
+    replaces them."""
+    first_rank = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+               **dict(module.named_buffers(remove_duplicate=False))}  # fmt: skip
+    kept = {}
+    for first, names in _alias_groups(module).items():
+        tensor = tensors[first]
+        if tensor.is_meta or first in skip:
+            continue
+        kept[first] = (tensor.detach() if first_rank else torch.empty_like(tensor, device="meta"), names)
+    return kept
+
+
+@torch.no_grad()
+def send_kept(
+    root: nn.Module, kept: dict[str, tuple[torch.Tensor, list[str]]], device: torch.device, mesh: DeviceMesh | None
+) -> int:
+    """Send what :func:`keep_for_stages` kept to the ranks that hold it after the split (rank 0's values, each
+    rank copying its slice). Returns how many tensors went out."""
+    if not kept or not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0
+    current = {
+        **dict(root.named_parameters(remove_duplicate=False)),
+        **dict(root.named_buffers(remove_duplicate=False)),
+    }
+    items = [(value, _unique([current[n] for n in names if n in current])) for value, names in kept.values()]
+    delivery = Delivery(mesh, device)
+    delivery.plan([bool(targets) for _, targets in items])
+    first_rank = dist.get_rank() == 0
+    for index, (value, targets) in enumerate(items):
+        delivery.send(index, value if first_rank else None, value, targets)
+    delivery.close()
+    return len(items)
 
 
 def init_module(module: nn.Module) -> None:
@@ -152,20 +200,6 @@ class InitError(RuntimeError):
     """A tensor on the meta device that the model's own init left without values."""
 
 
-def _send(value: torch.Tensor | None, like: torch.Tensor, targets: list[torch.Tensor], device: torch.device) -> None:
-    """Broadcast one full tensor from rank 0 (``value``; ``None`` elsewhere) and copy each rank's slice of it into
-    ``targets`` (this rank's tensors of that name: a DTensor shard, a plain tensor, or none under pp)."""
-    buf = value.to(device) if value is not None else torch.empty(like.shape, dtype=like.dtype, device=device)
-    if dist.is_initialized():
-        dist.broadcast(buf, src=0)
-    for target in targets:
-        if isinstance(target, DTensor):
-            local = distribute_tensor(buf, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            target.to_local().copy_(local)
-        else:
-            target.copy_(buf)
-
-
 @torch.no_grad()
 def materialize_streamed(
     root: nn.Module,
@@ -175,16 +209,18 @@ def materialize_streamed(
     blocks: set[str],
     skip: set[str] = frozenset(),  # type: ignore[assignment]
     param_device: torch.device | None = None,
-) -> None:
+    mesh: DeviceMesh | None = None,
+) -> int:
     """Give the sharded ``root``'s meta tensors storage on ``device`` (parameters on ``param_device`` when given),
-    then fill those named in ``on_meta`` (less
-    ``skip``, which pretrained weights fill) from rank 0's host-side init, one piece at a time.
+    then fill those named in ``on_meta`` (less ``skip``: what pretrained weights or a checkpoint about to be loaded
+    fill) from rank 0's host-side init, one piece at a time. Returns how many pieces this rank initialised.
 
     Rank 0 gives one piece of the meta twin host storage (a block, or one module's own tensors), runs the model's
     own init over the whole twin (on the meta rest it draws no random numbers, so each piece gets exactly the
     values a full init gives it when the init draws in tensor order, as ``init_weights``/``reset_parameters`` and
-    transformers' ``_init_weights`` do), broadcasts the piece tensor by tensor, and frees it. Every rank copies out
-    its own slice. Host memory on rank 0: one piece (the largest block, or the embedding), not the model.
+    transformers' ``_init_weights`` do), sends the piece tensor by tensor to the ranks that hold it (under pipeline
+    parallelism, only its stage's: :class:`~cuboid.parallel.delivery.Delivery` over ``mesh``), and frees it. Every
+    rank copies out its own slice. Host memory on rank 0: one piece (the largest block, or the embedding).
     """
     materialize_meta(root, device, param_device)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -192,28 +228,41 @@ def materialize_streamed(
         **dict(root.named_parameters(remove_duplicate=False)),
         **dict(root.named_buffers(remove_duplicate=False)),
     }
+    pieces = []  # (twin, prefix, piece, recurse, [(first name, meta tensor, this rank's targets)])
+    for twin_name, twin in twins.items():
+        prefix = f"{twin_name}."
+        groups = _alias_groups(twin, prefix)
+        local_blocks = {b[len(prefix) :] for b in blocks if b.startswith(prefix)}
+        done: set[str] = set()
+        for piece, recurse in _init_pieces(twin, local_blocks):
+            names = [
+                (first, like, _unique([current[n] for n in groups[first] if n in current]))
+                for first, like in _piece_tensors(twin, piece, recurse, groups, prefix)
+                if first in on_meta and first not in skip and first not in done
+            ]
+            done.update(first for first, _, _ in names)  # a tied tensor: filled once, at its first name's piece
+            if names:
+                pieces.append((twin, prefix, piece, recurse, names))
+    if not pieces:  # everything comes from pretrained weights or a checkpoint (the same on every rank)
+        return 0
+    order = [first for *_, names in pieces for first, _, _ in names]
+    delivery = Delivery(mesh, device)
+    delivery.plan([bool(targets) for *_, names in pieces for _, _, targets in names])
+    bad, index = -1, 0
     with torch.random.fork_rng(devices=[]):
-        for twin_name, twin in twins.items():
-            prefix = f"{twin_name}."
-            groups = _alias_groups(twin, prefix)
-            local_blocks = {b[len(prefix) :] for b in blocks if b.startswith(prefix)}
-            done: set[str] = set()
-            for piece, recurse in _init_pieces(twin, local_blocks):
-                names = [
-                    (first, tensor)
-                    for first, tensor in _piece_tensors(twin, piece, recurse, groups, prefix)
-                    if first in on_meta and first not in skip and first not in done
-                ]
-                done.update(first for first, _ in names)  # a tied tensor: filled once, at its first name's piece
-                if not names:
-                    continue
-                values = _init_piece(twin, piece, recurse, prefix, [n for n, _ in names]) if is_rank0 else None
-                _agree_on_init(values, [n for n, _ in names], device)
-                for first, like in names:
-                    targets = [current[n] for n in groups[first] if n in current]
-                    _send(values[first] if values is not None else None, like, _unique(targets), device)
-                if is_rank0:
-                    module_apply(twin, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"))
+        for twin, prefix, piece, recurse, names in pieces:
+            values = _init_piece(twin, piece, recurse, prefix, [n for n, _, _ in names]) if is_rank0 else None
+            for first, like, targets in names:
+                value = values[first] if values is not None else None
+                if bad < 0 and value is not None and value.is_floating_point() and bool(value.isnan().any()):
+                    bad = index
+                delivery.send(index, value, like, targets)
+                index += 1
+            if is_rank0:
+                module_apply(twin, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"))
+    delivery.close()
+    _agree_on_init(bad, order, device)
+    return len(pieces) if is_rank0 else 0
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -260,16 +309,15 @@ def _init_piece(
     return {n: state[n] for n in names}
 
 
-def _agree_on_init(values: dict[str, torch.Tensor] | None, names: list[str], device: torch.device) -> None:
-    """Every rank stops together when rank 0's init left a tensor without values (still NaN)."""
-    bad = -1
-    if values is not None:
-        bad = next((i for i, n in enumerate(names) if values[n].is_floating_point() and values[n].isnan().any()), -1)
+def _agree_on_init(bad: int, names: list[str], device: torch.device) -> None:
+    """Every rank stops together when rank 0's init left a tensor without values (still NaN): ``bad`` is its index
+    in ``names`` on rank 0 (-1: none), sent to every rank once, after every piece."""
     flag = torch.tensor([bad], device=device)
     if dist.is_initialized():
         dist.broadcast(flag, src=0)
-    if int(flag.item()) >= 0:
-        name = names[int(flag.item())]
+    index = int(flag.item())
+    if index >= 0:
+        name = names[index]
         raise InitError(
             f"{name} was built on the meta device and the model's init (init_weights() or reset_parameters()) "
             "gave it no value (a non-persistent buffer computed in __init__, or a parameter no init covers). "

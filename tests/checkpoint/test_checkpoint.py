@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WORKERS, SpecRuns, python, run_checked, torchrun, torchrun_cmd, worker_env
+from harness import ROOT, WORKERS, SpecRuns, python, run_checked, torchrun, torchrun_cmd, worker_env
 from parity_lib import reference_run
 
 from cuboid.checkpoint import CheckpointError, read_model_weights
@@ -51,7 +51,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                     "strategy": {"tensor_parallel": 2},
                     "resume_from": str(out / "3d" / "step=6.ckpt"),
                 },
-                {"name": "pp2xtp2-from-3d", "strategy": P3D, "resume_from": str(out / "3d" / "step=6.ckpt")},
+                {
+                    "name": "pp2xtp2-from-3d",
+                    "strategy": P3D,
+                    "meta_init": True,
+                    "resume_from": str(out / "3d" / "step=6.ckpt"),
+                },
                 {
                     "name": "tp2xdp2-from-3d-full",
                     "strategy": {"tensor_parallel": 2},
@@ -164,6 +169,11 @@ def test_checkpoint_resumes_on_another_layout(name: str, runs) -> None:
     assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
     err = max((got[name]["params"][f"model.{k}"] - v).abs().max().item() for k, v in ref.params.items())
     assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+    # The checkpoint fills every weight: nothing was initialised (pp2xtp2-from-3d builds on meta) or sent from rank 0
+    # first. A fresh run of the same layout does both (3d-save: built for real, its tensors sent to their stages).
+    made = [r["weights_made"] for r in got[name]["ranks"]]
+    assert all(m == {"initialized": 0, "sent": 0} for m in made), (name, made)
+    assert got["3d-save"]["ranks"][0]["weights_made"]["sent"] > 0
 
 
 @pytest.mark.slow
@@ -434,3 +444,15 @@ def test_save_weights_only_writes_the_model_alone(runs) -> None:
     for name, tensor in read_model_weights(out / "single" / "step=6.ckpt").items():
         assert torch.equal(weights[name], tensor), name
     assert "save_weights_only" in got["weights-only-resume"]["error"], got["weights-only-resume"]
+
+
+@pytest.mark.slow
+def test_the_resume_bench_initializes_nothing_when_a_checkpoint_fills_the_weights(tmp_path: Path) -> None:
+    """``scripts/bench.py --suite resume`` (the debug model, dp2): resumed as before, rank 0 initializes every piece
+    of the meta-built model and the checkpoint then overwrites them; resumed now, nothing is initialized or sent."""
+    out = tmp_path / "resume.json"
+    bench = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "resume", "--model", "debug"]
+    run_checked([*bench, "--out", str(out)], timeout=600, env=worker_env())
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["results"]}
+    assert rows["initialize_then_load"]["initialized"] > 0
+    assert (rows["load_only"]["initialized"], rows["load_only"]["sent"]) == (0, 0)

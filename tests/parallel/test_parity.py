@@ -25,12 +25,14 @@ ROWWISE = ("wo.weight", "w2.weight")
 
 @dataclass(frozen=True)
 class Run:
-    """One parity run: processes, CuboidStrategy arguments, accumulate_grad_batches, meta-device init."""
+    """One parity run: processes, CuboidStrategy arguments, accumulate_grad_batches, meta-device init, and whether
+    a CommLedger books the set-up's collectives (who received which weights)."""
 
     world: int
     strategy: dict
     accumulate: int = 1
     meta_init: bool = False
+    ledger: bool = False
 
 
 RUNS: dict[str, Run] = {}
@@ -58,9 +60,9 @@ RUNS["pp2-Interleaved1F1B-ac_full"] = Run(
 )
 RUNS["pp2-InterleavedZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"})
 RUNS["pp2-ZBVZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "ZBVZeroBubble"})
-RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2)
+RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2, ledger=True)
 RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = Run(
-    4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True
+    4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True, ledger=True
 )
 RUNS["pp2xdp2xtp2-1F1B"] = Run(8, {**PP, "tensor_parallel": 2})
 RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = Run(
@@ -110,7 +112,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     runs = SpecRuns(tmp_path_factory.mktemp("parity"))
     for world in sorted({run.world for run in RUNS.values()}):
         specs = [
-            {"name": name, "strategy": run.strategy, "accumulate": run.accumulate, "meta_init": run.meta_init}
+            {
+                "name": name,
+                "strategy": run.strategy,
+                "accumulate": run.accumulate,
+                "meta_init": run.meta_init,
+                "ledger": run.ledger,
+            }
             for name, run in RUNS.items()
             if run.world == world
         ]
@@ -144,6 +152,27 @@ def test_loss_and_parameters_match_single_process(name: str, results, references
     PARITY_TABLE[name] = (max(rel), err[worst])
     assert err[worst] <= PARAM_ATOL, f"{name}: {worst} max abs error {err[worst]:.2e}"
     assert abs(got["grad_norm"] - ref.grad_norms[-1]) <= LOSS_RTOL * ref.grad_norms[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, run in RUNS.items() if run.ledger])
+def test_a_pipelined_build_sends_each_stage_its_own_weights_and_no_other(name: str, results) -> None:
+    """Rank 0's weights (its init of a meta-built model, or its values of one built for real) reach only the ranks
+    of the stage that keeps them: the ledger's set-up table shows, on every rank, broadcasts over its own stage's
+    group carrying exactly the full bytes of the tensors it holds, rank 0 alone in the other stage's group as the
+    sender, and no weight anywhere else (the world's broadcasts are the run's flags and names, under 1 KiB). Before,
+    every tensor went to the whole world."""
+    built = "initialized" if RUNS[name].meta_init else "sent"
+    for facts in results[name]["ranks"]:
+        table, stage = facts["setup_comm"], facts["pp_rank"]
+        groups = {dim: kinds for dim, kinds in table.items() if dim.startswith("cuboid_weights_stage")}
+        own = f"cuboid_weights_stage{stage}"
+        assert set(groups) == ({own, "cuboid_weights_stage1"} if facts["rank"] == 0 else {own}), (facts["rank"], table)
+        assert groups[own]["broadcast"][1] == facts["held_bytes"], (facts["rank"], groups, facts["held_bytes"])
+        elsewhere = sum(kinds.get("broadcast", [0, 0])[1] for dim, kinds in table.items() if dim not in groups)
+        assert elsewhere < 1024, (facts["rank"], table)
+        if facts["rank"] == 0:
+            assert facts["weights_made"][built] > 0, facts["weights_made"]
 
 
 @pytest.mark.slow

@@ -274,6 +274,12 @@ def run(spec: dict, out_dir: Path) -> None:
                 save_weights_only=spec.get("save_weights_only", False),
             )
         )
+    ledger = None
+    if spec.get("ledger"):  # the set-up's collectives: who received which weights
+        from cuboid.measure import CommLedger
+
+        ledger = CommLedger(log=False)
+        callbacks.append(ledger)
     logger: object = False
     if spec.get("log_every"):  # CuboidMonitor's figures, logged every N steps to a CSV file
         from lightning.pytorch.loggers import CSVLogger
@@ -352,6 +358,13 @@ def run(spec: dict, out_dir: Path) -> None:
         "stopped_at": trainer.global_step,
         "stopped_by": stopped_by,
         "skipped": list(strategy.nonfinite.skipped),
+        "weights_made": dict(strategy.weights_made),
+        "setup_comm": ledger.setup_table if ledger is not None else None,
+        "pp_rank": strategy.device_mesh["pp"].get_local_rank(),
+        # full bytes of the distinct parameters and buffers this rank holds (what its stage's weights weigh)
+        "held_bytes": sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        ),
         "preempted_to": str(strategy.preempted_to) if strategy.preempted_to else None,
         "ckpt_group_at_start": facts.ckpt_group_at_start,
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
