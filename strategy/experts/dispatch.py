@@ -96,17 +96,24 @@ def dispatch(
     order = order[: sum(send_splits)]  # sentinels sort last and are left out
     rows = hidden.index_select(0, torch.div(order, top_k_index.shape[-1], rounding_mode="floor"))
     got = exchange(rows, recv_splits, send_splits, group)
-    # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> [expert 0: source 0, source 1, ...]
-    starts, at = [], 0
-    for s in range(ep):
-        for e in range(per):
-            starts.append((e, s, at, received[s * per + e]))
-            at += received[s * per + e]
-    segments = [torch.arange(a, a + n) for _, _, a, n in sorted(starts)]
-    regroup = torch.cat(segments).to(hidden.device) if segments else torch.zeros(0, dtype=torch.long)
+    regroup = _regroup_index(recv_counts.view(ep, per), sum(recv_splits))
     local_counts = [sum(received[s * per + e] for s in range(ep)) for e in range(per)]
     routed = Routed(order, flat.numel(), send_splits, recv_splits, regroup, group)
     return got.index_select(0, regroup), local_counts, routed
+
+
+def _regroup_index(received: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows arrive as [source 0: expert 0's rows, expert 1's, ...][source 1: ...]; the local experts want
+    [expert 0: source 0's rows, source 1's, ...][expert 1: ...]. The gather index that does it, made on the device
+    from ``received`` (``(sources, local experts)`` row counts, where the all-to-all left them) and ``total`` (their
+    sum, already on the host): no tensor is made on the host or copied over, and ``output_size`` spares
+    ``repeat_interleave`` its own sync."""
+    sizes = received.reshape(-1)
+    starts = (torch.cumsum(sizes, 0) - sizes).view_as(received)  # where each (source, expert) block arrived
+    by_expert = received.t().reshape(-1)  # the blocks in the order the experts want them
+    placed = torch.cumsum(by_expert, 0) - by_expert  # where each block goes
+    shift = torch.repeat_interleave(starts.t().reshape(-1) - placed, by_expert, output_size=total)
+    return torch.arange(total, device=received.device) + shift
 
 
 def combine(results: torch.Tensor, top_k_weights: torch.Tensor, routed: Routed) -> torch.Tensor:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from harness import WORKERS, torchrun
 
 from cuboid.experts import ExpertParallelError, expert_block
@@ -16,6 +17,37 @@ def test_experts_split_in_equal_contiguous_blocks_and_a_degree_that_does_not_div
     assert [expert_block(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     with pytest.raises(ExpertParallelError, match=r"expert_parallel=3 does not divide the 8 experts .* divides 8"):
         expert_block(8, 3, 0)
+
+
+@pytest.mark.parametrize("sources, experts", [(2, 2), (3, 4), (4, 1), (1, 3)])
+def test_received_rows_are_regrouped_by_expert_with_an_index_made_on_the_device(sources: int, experts: int) -> None:
+    """Rows arrive grouped by source rank, then by expert; the local experts take them grouped by expert, then by
+    source. The gather index is computed from the device's counts (empty blocks too), equal to the block-by-block
+    reading of it, and no tensor of it is made on the host: every factory call names the counts' device."""
+    from torch.overrides import TorchFunctionMode
+
+    from cuboid.experts.dispatch import _regroup_index
+
+    counts = torch.randint(0, 4, (sources, experts), generator=torch.Generator().manual_seed(sources * 10 + experts))
+    counts[0, -1] = 0  # an expert that got nothing from one source
+    flat, blocks, at = counts.reshape(-1).tolist(), [], 0
+    for s in range(sources):
+        for e in range(experts):
+            blocks.append((e, s, at, flat[s * experts + e]))
+            at += flat[s * experts + e]
+    expected = torch.cat([torch.arange(a, a + n) for _, _, a, n in sorted(blocks)])
+    made: list[object] = []
+
+    class Factories(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.arange, torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full):
+                made.append((func.__name__, (kwargs or {}).get("device")))
+            return func(*args, **(kwargs or {}))
+
+    with Factories():
+        got = _regroup_index(counts, int(counts.sum()))
+    assert torch.equal(got, expected)
+    assert all(device is not None for _, device in made), made
 
 
 @pytest.mark.slow
