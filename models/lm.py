@@ -26,7 +26,9 @@ class CausalLM(L.LightningModule):
         model: A named size (``"debug"``, ``"150m"``, ``"1b"``, ``"8b"``, ``"70b"``) or a
             :class:`LlamaConfig` / dict of its fields.
         meta_init: Build the model on the meta device in ``configure_model`` (the strategy
-            materializes it shard by shard); needed for models larger than one device.
+            materializes it shard by shard); needed for models larger than one device. ``None`` (the default):
+            on meta when the strategy materializes meta-built models (Cuboid's, either door: a process then never
+            builds the whole model), for real otherwise (a plain Trainer, DDP).
         lr, weight_decay, betas, eps: AdamW settings (defaults: Llama's).
         warmup_steps, max_steps: Linear warm-up, then cosine decay to 10% of ``lr`` at ``max_steps``.
         init_seed: Seed for the initial weights, so every layout starts from the same model.
@@ -38,7 +40,7 @@ class CausalLM(L.LightningModule):
     def __init__(
         self,
         model: str | LlamaConfig | dict[str, Any] = "debug",
-        meta_init: bool = False,
+        meta_init: bool | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -74,11 +76,17 @@ class CausalLM(L.LightningModule):
         if self.model is not None:
             return
         torch.manual_seed(self.init_seed)
-        if self.meta_init:
+        if self._on_meta():
             with torch.device("meta"):
                 self.model = self._with_adapter(Llama(self.cfg))
         else:
             self.model = self._with_adapter(Llama(self.cfg))
+
+    def _on_meta(self) -> bool:
+        if self.meta_init is not None:
+            return bool(self.meta_init)
+        runner = self._trainer if self._trainer is not None else getattr(self, "_fabric", None)
+        return bool(getattr(getattr(runner, "strategy", None), "materializes_meta", False))
 
     def _with_adapter(self, model: Llama) -> Any:
         if self.lora is None:

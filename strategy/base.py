@@ -60,7 +60,9 @@ BUILD_ARGUMENTS = (
     "load_balancing",
     "process_group_backend",
     "timeout",
+    "weights_init",
 )
+WEIGHTS_INIT = ("auto", "rank0", "local")
 
 
 def own_precision(plugin: Any, kind: Callable[..., P]) -> P | None:
@@ -108,8 +110,17 @@ class MeshCollectives:
         load_balancing: str,
         process_group_backend: str | None,
         timeout: timedelta | float | None,
+        weights_init: str,
     ) -> None:
         check_ac_mode(activation_checkpointing)
+        if weights_init not in WEIGHTS_INIT:
+            raise ValueError(f"weights_init={weights_init!r}: choose 'auto', 'rank0' or 'local'.")
+        if weights_init == "local" and cpu_offload:
+            raise ValueError(
+                "weights_init='local' with cpu_offload=True: offloaded shards live in host memory, where DTensor has "
+                "no random-number tracker. Use weights_init='rank0' (or 'auto', which chooses it under offload)."
+            )
+        self.weights_init = weights_init
         check_plan_styles(tensor_parallel_plan)
         self.context = ContextParallel(self.dims, compile, activation_checkpointing)
         self.load_balancing = LoadBalancing(load_balancing)
@@ -148,6 +159,14 @@ class MeshCollectives:
         if device.type != "cpu":  # DTensor's RNG tracker, made here on every rank (not lazily, by some stages only)
             compat.start_dtensor_rng(self.device_mesh)
         return layout
+
+    @property
+    def initializes_locally(self) -> bool:
+        """Whether each rank initializes its own shards of a meta-built model on its device (``weights_init``:
+        ``"local"``, or ``"auto"`` on an accelerator without CPU offload) instead of receiving rank 0's."""
+        if self.weights_init == "auto":
+            return self.root_device.type != "cpu" and not self.cpu_offload  # type: ignore[attr-defined]
+        return self.weights_init == "local"
 
     def parallel_settings(self, mp_policy: Any) -> ParallelSettings:
         """How each block is parallelized (tp, activation checkpointing, compile, FSDP2, the experts' split)."""
@@ -213,8 +232,10 @@ class MeshCollectives:
         this rank's stages), then its weights filled shard by shard. ``restored``: the names a checkpoint about to
         be loaded fills, left uninitialised. Returns what ``build_stages`` returned. ``weights_made`` then says
         how many pieces rank 0 initialised and how many real tensors it sent."""
-        pipelined = build_stages is not None
-        weights = prepare_weights(root, pretrained, self.root_device, pipelined=pipelined, restored=restored)
+        pipelined, local = build_stages is not None, self.initializes_locally
+        weights = prepare_weights(
+            root, pretrained, self.root_device, pipelined=pipelined, restored=restored, local=local
+        )
         settings = self.parallel_settings(mp_policy)
         stages = None
         if build_stages is not None:

@@ -97,6 +97,12 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         pretrained: Submodule -> weights to fill it with after sharding, e.g. ``{"model": "/ckpt/Llama-3.1-8B"}``: a
             Hugging Face directory, a ``.safetensors`` file or a Cuboid checkpoint. Build the submodule on meta and
             each rank reads only its slices; a mismatch stops setup before anything is loaded (``None`` ignored).
+        weights_init: How a model built on the meta device gets its first values: ``"rank0"``, rank 0 runs the
+            model's own init piece by piece and sends each rank its slice (the values of one process's init, on any
+            layout); ``"local"``, each rank initializes its own shards on its device with DTensor's random streams
+            (the same distribution, not the same values; nothing sent); ``"auto"``: ``"local"`` on GPUs,
+            ``"rank0"`` on CPU and under ``cpu_offload``. Nothing is initialized that a checkpoint about to be
+            loaded fills.
         preempt_on: Signals on which every rank saves one checkpoint after the same step and stops; under SLURM the
             job is requeued (by the batch script once srun returns, where it sets ``CUBOID_REQUEUE_FILE``; else by
             rank 0). ``()``: a SIGTERM stops every rank without saving (``docs/cluster.md``).
@@ -138,6 +144,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         async_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         pretrained: Mapping[str, str | Path | None] | None = None,
+        weights_init: Literal["auto", "rank0", "local"] = "auto",
         preempt_on: Sequence[str] = ("SIGUSR1", "SIGTERM"),
         nonfinite: Literal["raise", "skip"] | None = None,
         peer_timeout: float | None = 6.0,

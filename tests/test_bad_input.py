@@ -554,6 +554,16 @@ CASES.update(
             ValueError,
             r"broadcast_buffers='some': choose True \(changed buffers\), 'all' or False",
         ),
+        "an unknown weights_init": (
+            lambda: CuboidStrategy(weights_init="zeros"),
+            ValueError,
+            r"weights_init='zeros': choose 'auto', 'rank0' or 'local'",
+        ),
+        "weights_init local with cpu_offload": (
+            lambda: FabricStrategy(weights_init="local", cpu_offload=True),
+            ValueError,
+            r"weights_init='local' with cpu_offload=True: .* Use weights_init='rank0'",
+        ),
         "a Fabric checkpoint of two models": (
             lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),
             CheckpointError,

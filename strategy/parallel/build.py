@@ -70,6 +70,7 @@ class Weights:
     on_meta: set[str] = field(default_factory=set)  # names built on the meta device
     twins: dict[str, Any] = field(default_factory=dict)  # meta twins for rank 0's init
     restored: set[str] = field(default_factory=set)  # names a checkpoint about to be loaded fills: not initialised
+    local: bool = False  # each rank initializes its own shards of what is on meta
     kept: dict[str, Any] = field(default_factory=dict)  # under pp: what was built for real, sent after the split
     made: dict[str, int] = field(default_factory=lambda: {"initialized": 0, "sent": 0})  # pieces rank 0 initialised,
     # tensors sent from rank 0 (what was built for real)
@@ -82,10 +83,12 @@ def prepare_weights(
     *,
     pipelined: bool,
     restored: set[str] = frozenset(),  # type: ignore[assignment]
+    local: bool = False,
 ) -> Weights:
     """Check every pretrained source before any work, keep meta twins, move what was built for real to ``device``
     with rank 0's values on every rank (under pp: kept, to be sent to its stage once split). ``restored``: the names
-    a checkpoint about to be loaded fills; they are neither initialised nor sent."""
+    a checkpoint about to be loaded fills; they are neither initialised nor sent. ``local``: each rank will initialize
+    its own shards of what is on meta (no twins kept)."""
     direct = [n for n, _ in lm.named_parameters(recurse=False)]
     if direct and pipelined:
         raise TypeError(
@@ -96,9 +99,9 @@ def prepare_weights(
     loaded = set().union(*(plan.lightning_names() for plan in sources))
     skip = loaded | set(restored)
     on_meta = materialize.meta_names(lm)
-    twins = materialize.meta_twins(lm) if on_meta - skip else {}
+    twins = materialize.meta_twins(lm) if on_meta - skip and not local else {}
     materialize.to_device_except_parameters(lm, device)
-    weights = Weights(sources, loaded, on_meta, twins, set(restored))
+    weights = Weights(sources, loaded, on_meta, twins, set(restored), local=local)
     if pipelined:  # sent once the stages are split, to the ranks that keep each tensor
         weights.kept = materialize.keep_for_stages(lm, skip)
     else:  # what was built for real: rank 0's values everywhere
@@ -141,9 +144,12 @@ def finish_weights(
         # Under CPU offload FSDP2 keeps the sharded parameters on the host: materialize them there.
         param_device = torch.device("cpu") if cpu_offload else None
         skip = weights.loaded | weights.restored
-        weights.made["initialized"] = materialize.materialize_streamed(
-            lm, weights.twins, weights.on_meta, device, block_names, skip, param_device, mesh
-        )
+        if weights.local:
+            weights.made["initialized"] = materialize.init_in_place(lm, weights.on_meta, skip, device, param_device)
+        else:
+            weights.made["initialized"] = materialize.materialize_streamed(
+                lm, weights.twins, weights.on_meta, device, block_names, skip, param_device, mesh
+            )
     for plan in weights.sources:
         load_pretrained(lm, plan)
     _average_stray_gradients(lm, _report_stray_parameters(lm), dp_mesh)

@@ -28,11 +28,13 @@ a checkpoint about to be loaded fills (``ckpt_path``): then nothing is initialis
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from cuboid.adapters import init_adapters
 from cuboid.compat import module_apply
@@ -265,6 +267,63 @@ def materialize_streamed(
     return len(pieces) if is_rank0 else 0
 
 
+@torch.no_grad()
+def init_in_place(
+    root: nn.Module,
+    on_meta: set[str],
+    skip: set[str],
+    device: torch.device,
+    param_device: torch.device | None = None,
+) -> int:
+    """Each rank's own shards made where they live: the sharded ``root``'s meta tensors get storage on ``device``,
+    then the model's own init runs on the sharded model itself (each top-level child holding one of ``on_meta``
+    less ``skip``; then PEFT's for LoRA adapters). Nothing is sent. Returns how many top-level children it
+    initialised (0 when pretrained weights or a checkpoint fill everything).
+
+    On a GPU, DTensor's random ops give each shard its own part of one draw (its random-number tracker, made at
+    set-up): the same distribution as one process's init, not the same values. On CPU, DTensor has no tracker and
+    every shard draws the same numbers (a test of the path, not a distribution). What was built for real keeps its
+    values (set aside before, put back after); a tensor the init leaves unset stops every rank with its name.
+    """
+    materialize_meta(root, device, param_device)
+    tensors = {
+        **dict(root.named_parameters(remove_duplicate=False)),
+        **dict(root.named_buffers(remove_duplicate=False)),
+    }
+    todo = {name for name in on_meta - skip if name in tensors}  # under pp: this rank's stages only
+    if not todo:
+        return 0
+    kept = {name: t.detach().clone() for name, t in tensors.items() if name not in on_meta}
+    names = sorted(todo)
+    for name in names:
+        if tensors[name].is_floating_point():
+            _local(tensors[name]).fill_(float("nan"))
+    children = [child for name, child in root.named_children() if any(n.startswith(f"{name}.") for n in todo)]
+    with warnings.catch_warnings():  # on a CPU mesh torch warns at every random op on a DTensor (see above)
+        warnings.filterwarnings("ignore", message=".*random operators may not have complete support.*")
+        for child in children:
+            _forget_init_flags(child)
+            init_module(child)
+            init_adapters(child)
+    for name, value in kept.items():
+        tensors[name].copy_(value)
+    unset = [n for n, nan in zip(names, torch.stack([_local(tensors[n]).isnan().any() for n in names]).tolist(),
+                                 strict=True) if nan]  # fmt: skip
+    flag = torch.tensor([len(unset)], device=device)
+    if dist.is_initialized():  # (each stage has its own names: one count, then the names only when one is unset)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(everyone, unset)
+            unset = sorted({n for found in everyone for n in found})
+    _agree_on_init(0 if unset else -1, unset, device, agreed=True)
+    return len(children)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     seen: set[int] = set()
     return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
@@ -309,13 +368,15 @@ def _init_piece(
     return {n: state[n] for n in names}
 
 
-def _agree_on_init(bad: int, names: list[str], device: torch.device) -> None:
-    """Every rank stops together when rank 0's init left a tensor without values (still NaN): ``bad`` is its index
-    in ``names`` on rank 0 (-1: none), sent to every rank once, after every piece."""
-    flag = torch.tensor([bad], device=device)
-    if dist.is_initialized():
-        dist.broadcast(flag, src=0)
-    index = int(flag.item())
+def _agree_on_init(bad: int, names: list[str], device: torch.device, agreed: bool = False) -> None:
+    """Every rank stops together when the init left a tensor without values (still NaN): ``bad`` is its index in
+    ``names`` on rank 0 (-1: none), sent to every rank once, after every piece (``agreed``: every rank has it)."""
+    index = bad
+    if not agreed:
+        flag = torch.tensor([bad], device=device)
+        if dist.is_initialized():
+            dist.broadcast(flag, src=0)
+        index = int(flag.item())
     if index >= 0:
         name = names[index]
         raise InitError(

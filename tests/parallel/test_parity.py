@@ -9,6 +9,7 @@ fed the same batch and data-parallel ranks disjoint ones.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -103,6 +104,21 @@ PIPELINE_ERRORS = [
 ]
 
 
+# Each rank initializes its own shards of a meta-built model (weights_init="local"): not parity (the same
+# distribution, not one process's values), checked by the first values' statistics and the set-up's traffic.
+LOCAL_INIT = {
+    f"local_init-{layout}": {
+        "name": f"local_init-{layout}",
+        "strategy": {**strategy, "weights_init": "local"},
+        "meta_init": True,
+        "ledger": True,
+        "init_stats": True,
+        "max_steps": 2,
+    }
+    for layout, strategy in (("dp2xtp2", {"tensor_parallel": 2}), ("pp2xdp2", {"pipeline_parallel": 2}))
+}
+
+
 # layout -> (max relative loss error, max abs parameter error); printed at the end of the run.
 PARITY_TABLE: dict[str, tuple[float, float]] = {}
 
@@ -124,6 +140,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
         ]
         if world == 2:
             specs += PIPELINE_ERRORS
+        if world == 4:
+            specs += list(LOCAL_INIT.values())
         runs.launch(world, WORKERS / "parity_worker.py", specs)
     return runs
 
@@ -173,6 +191,30 @@ def test_a_pipelined_build_sends_each_stage_its_own_weights_and_no_other(name: s
         assert elsewhere < 1024, (facts["rank"], table)
         if facts["rank"] == 0:
             assert facts["weights_made"][built] > 0, facts["weights_made"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LOCAL_INIT))
+def test_local_init_makes_each_ranks_shards_itself_with_the_models_distribution(name: str, results) -> None:
+    """weights_init="local": every rank runs the model's init on its own shards (counted), no weight is sent (the
+    set-up's broadcasts carry flags and names only), and the first values follow the model's init: norms ones,
+    the residual projections N(0, 0.02 / sqrt(2 x 4 layers)), the rest N(0, 0.02); the first loss is a uniform
+    guess's, ln 256. (On CPU DTensor has no random tracker: each shard draws the same numbers. The statistics hold
+    either way; on a GPU the shards differ.)"""
+    got = results[name]
+    for facts in got["ranks"]:
+        assert facts["weights_made"]["initialized"] > 0, facts["weights_made"]
+        table = facts["setup_comm"]
+        assert not any(dim.startswith("cuboid_weights") for dim in table), table
+        assert sum(kinds.get("broadcast", [0, 0])[1] for kinds in table.values()) < 1024, table
+        for pname, (mean, std, n) in facts["init_stats"].items():
+            if pname.endswith("norm.weight"):
+                assert (mean, std) == (1.0, 0.0), pname
+                continue
+            want = 0.02 / (2 * 4) ** 0.5 if pname.endswith(("wo.weight", "w2.weight")) else 0.02
+            # within 5 standard errors of n draws (n: one shard's elements, as on CPU every shard repeats them)
+            assert abs(mean) < 5 * want / n**0.5 and abs(std - want) < 5 * want / (2 * n) ** 0.5, (pname, mean, std, n)
+    assert abs(got["losses"][0] - math.log(256)) < 0.05, got["losses"][0]
 
 
 @pytest.mark.slow

@@ -107,6 +107,39 @@ def test_buffer_no_init_sets_is_an_error() -> None:
         )
 
 
+def test_local_init_finds_the_same_unset_buffer() -> None:
+    """weights_init="local" (each rank its own shards, in place): the same buffer is named, not trained on."""
+    with torch.device("meta"):
+        holder = Holder(Rotary)
+    with pytest.raises(materialize.InitError, match=r"model\.inv_freq was built on the meta device"):
+        materialize.init_in_place(holder, materialize.meta_names(holder), set(), torch.device("cpu"))
+
+
+def test_local_init_runs_the_models_init_in_place_and_keeps_what_was_built_for_real() -> None:
+    """In place, one process: the model's own init gives the meta-built tensors its distribution (norms ones,
+    the rest N(0, 0.02) or the residual std), a submodule built for real keeps its values, and what a checkpoint
+    or pretrained weights will fill (``skip``) is given storage only when nothing else needs the init."""
+    cfg = LlamaConfig(vocab_size=512, dim=64, n_layers=3)
+    with torch.device("meta"):
+        holder = Holder(lambda: Llama(cfg))
+    holder.probe = nn.Linear(4, 4)
+    probe = holder.probe.weight.detach().clone()
+    on_meta = materialize.meta_names(holder)
+    assert materialize.init_in_place(holder, on_meta, set(), torch.device("cpu")) == 1
+    assert torch.equal(holder.probe.weight, probe)
+    for name, p in holder.model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            want = 0.02 / (2 * cfg.n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            assert abs(p.std().item() - want) < 5 * want / (2 * p.numel()) ** 0.5, name
+    with torch.device("meta"):
+        again = Holder(lambda: Llama(cfg))
+    names = materialize.meta_names(again)
+    assert materialize.init_in_place(again, names, names, torch.device("cpu")) == 0  # a checkpoint fills it all
+    assert not any(t.is_meta for t in again.parameters())
+
+
 def test_70b_plans_on_meta_under_dp8_x_tp8_without_allocating() -> None:
     code = (
         "from cuboid.planning.dryrun import dry_run; from cuboid.parallel.mesh import Layout; from cuboid.models import CausalLM;"

@@ -63,6 +63,20 @@ class Facts(L.Callback):
                 self.estimated_params = estimate.rank_bytes(trainer.strategy.device_mesh["pp"].get_local_rank())
 
 
+class InitStats(L.Callback):
+    """At the first step's start: each parameter's full mean and standard deviation (the first values), and how
+    many elements this rank holds."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, tuple[float, float, int]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, p in pl_module.named_parameters():
+            full = (p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
+            local = p.to_local() if isinstance(p, DTensor) else p  # on CPU every shard draws the same numbers
+            self.stats[name] = (float(full.mean()), float(full.std()), local.numel())
+
+
 class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -274,6 +288,9 @@ def run(spec: dict, out_dir: Path) -> None:
                 save_weights_only=spec.get("save_weights_only", False),
             )
         )
+    init_stats = InitStats() if spec.get("init_stats") else None
+    if init_stats is not None:
+        callbacks.append(init_stats)
     ledger = None
     if spec.get("ledger"):  # the set-up's collectives: who received which weights
         from cuboid.measure import CommLedger
@@ -360,6 +377,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "skipped": list(strategy.nonfinite.skipped),
         "weights_made": dict(strategy.weights_made),
         "setup_comm": ledger.setup_table if ledger is not None else None,
+        "init_stats": init_stats.stats if init_stats is not None else None,
         "pp_rank": strategy.device_mesh["pp"].get_local_rank(),
         # full bytes of the distinct parameters and buffers this rank holds (what its stage's weights weigh)
         "held_bytes": sum(
