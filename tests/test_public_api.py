@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,6 +157,13 @@ def test_the_data_module_keeps_its_earlier_name() -> None:
 )
 def test_every_command_line_answers_help(command: list[str], usage: str) -> None:
     out = python([sys.executable, *command], timeout=120)
+    assert out.returncode == 0 and usage in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("script, usage", [("bench_gpu.sh", "--tiny"), ("gpu_wheels.sh", "40 MB")])
+def test_every_shell_script_answers_help(script: str, usage: str) -> None:
+    """The GPU check and its wheels' companion say what they do, and do nothing else, on --help."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and usage in out.stdout, out.stdout + out.stderr
 
 

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     strategy = CuboidStrategy(timeout=timedelta(minutes=10))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=world,
         strategy=strategy,
         max_steps=1,
@@ -132,6 +132,13 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": vars(args), "seconds": result, "mb_per_s": rate}, indent=1))
         print(f"JSON: {args.out}")
+        if args.append:  # one line for scripts/bench_gpu.sh's figures
+            line = {"check": "checkpoint", "model": args.model, "world": world, "accelerator": args.accelerator,
+                    "mb_per_rank": round(mb), "gb_per_s": {k.replace("_mb_", "_gb_"): round(v / 1024, 3) for k, v in rate.items()},
+                    "ok": all(v > 0 for v in rate.values())}  # fmt: skip
+            print(f"RESULT {json.dumps(line)}")
+            with open(args.append, "a") as f:
+                f.write(json.dumps(line) + "\n")
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -140,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="150m", choices=list(CONFIGS))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", default="bench_results/checkpoint.json")
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu (one process per device)")
+    parser.add_argument("--append", default=None, help="also append one JSON line of GB/s to this file")
     sys.path.insert(0, str(Path(__file__).parent))
     from launch import worker_or_relaunch
 

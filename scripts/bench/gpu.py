@@ -1,6 +1,10 @@
 """One-GPU checks and figures, run by ``scripts/bench_gpu.sh`` (each subcommand is one PASS/FAIL line there).
 
+    python scripts/bench/gpu.py env                                    # torch, CUDA, cuDNN, the device, versions
+    python scripts/bench/gpu.py sync_audit --model 1b --seq 2048       # host syncs in quiet steps, with their stacks
     python scripts/bench/gpu.py throughput --model 1b --seq 2048 --batch 4 [--compile] [--ac selective]
+    python scripts/bench/gpu.py attention --seq 8192 --cp 4            # the kernel SDPA picks for cp's shapes
+    python scripts/bench/gpu.py weights --model 8b --init local        # making a meta-built model's weights
     python scripts/bench/gpu.py resume --model 150m [--async-save]     # save at an epoch end, resume, compare
     python scripts/bench/gpu.py offload --model 150m                   # cpu_offload + meta init + clipping
 
@@ -181,9 +185,211 @@ def offload(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def env(args: argparse.Namespace) -> dict[str, Any]:
+    """What the machine has: Python, torch (its CUDA and cuDNN), the device, and the packages the main job needs."""
+    import importlib
+
+    import cuboid
+
+    cuda = torch.cuda.is_available()
+    found = {}
+    for name in ("lightning", "transformers", "hydra", "omegaconf", "wandb", "peft"):
+        try:
+            found[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except ImportError:
+            found[name] = None
+    return {
+        "check": "env",
+        "python": sys.version.split()[0],
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "cuboid": cuboid.__version__,
+        **found,
+        "ok": (cuda or args.accelerator == "cpu") and found["hydra"] is not None and found["wandb"] is not None,
+    }
+
+
+class SyncAudit(L.Callback):
+    """Host syncs between the start of step ``first`` and the start of step ``last`` (quiet steps: no logging,
+    no validation, no checkpoint), each with the stack that made it. On a GPU: torch's sync debug mode (every
+    synchronizing CUDA call warns). On CPU, where nothing waits on a device: reads of a tensor's value on the host
+    (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``), seen by a dispatch mode, less AdamW's
+    step counts (host tensors on GPUs too)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.found, self._on, self.host = first, last, [], None, set()
+
+    def _record(self, what: str) -> None:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-3] if "warnings" not in f.filename]
+        self.found.append({"what": what, "stack": [f"{f.filename}:{f.lineno} {f.name}" for f in frames[-6:]]})
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.first and self._on is None:
+            # AdamW's step counts live on the host on purpose (not capturable), also on GPUs: reading them is no sync
+            self.host = {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
+            self._start(module.device)
+        elif trainer.global_step == self.last and self._on is not None:
+            self._stop(module.device)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self._on is not None:
+            self._stop(module.device)
+
+    def _start(self, device: torch.device) -> None:
+        import warnings
+
+        if device.type == "cuda":
+            self._on = (warnings.showwarning, warnings.filters[:])
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *a, **k: self._record(str(message))
+            torch.cuda.set_sync_debug_mode("warn")
+            return
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        audit = self
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) not in audit.host:
+                    audit._record("host read of a tensor value (.item())")
+                return func(*args, **(kwargs or {}))
+
+        self._on = Reads()
+        self._on.__enter__()
+
+    def _stop(self, device: torch.device) -> None:
+        import warnings
+
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning, warnings.filters[:] = self._on
+        else:
+            self._on.__exit__(None, None, None)
+        self._on = None
+
+
+def sync_audit(args: argparse.Namespace) -> dict[str, Any]:
+    """Quiet steps of a meta-built model in bf16-mixed: 0 host syncs, or each one named with its stack."""
+    module = CausalLM(model=args.model, meta_init=True, warmup_steps=2, max_steps=args.steps)
+    audit = SyncAudit(args.warmup, args.steps - 1)
+    trainer = trainer_for(args, CuboidStrategy(), max_steps=args.steps, callbacks=[audit], log_every_n_steps=args.steps)
+    trainer.fit(module, DataLoader(tokens(args.batch * args.steps, args.seq, module.cfg.vocab_size), args.batch))
+    return {
+        "check": "sync_audit",
+        "model": args.model,
+        "steps_audited": args.steps - 1 - args.warmup,
+        "syncs": len(audit.found),
+        "first": audit.found[:5],
+        "ok": not audit.found,
+    }
+
+
+def attention(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel ``scaled_dot_product_attention`` picks for context parallel's shapes, and its forward + backward
+    time: one query chunk (``seq / cp`` tokens) against the gathered keys (``seq``), causal through a boolean mask
+    as Cuboid's exchange passes it today, with every head repeated and with grouped-query heads
+    (``enable_gqa``); then the chunk's causal diagonal block without a mask (``is_causal``: what a flash kernel
+    can run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    device = torch.device("cuda" if args.accelerator != "cpu" else "cpu")
+    dtype = torch.bfloat16 if args.accelerator != "cpu" else torch.float32
+    heads, kv_heads, dim = (32, 8, 128) if args.accelerator != "cpu" else (4, 2, 16)
+    chunk = args.seq // args.cp
+    picked: list[str] = []
+
+    class Kernel(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.startswith("_scaled_dot_product") and "backward" not in name:
+                picked.append(name)
+            return func(*a, **(kwargs or {}))
+
+    rows = []
+    for masked, gqa in ((True, False), (True, True), (False, False), (False, True)):
+        g = torch.Generator(device=device).manual_seed(0)
+        keys = args.seq if masked else chunk  # unmasked: the chunk's causal diagonal block
+        q = torch.randn(1, heads, chunk, dim, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(1, kv_heads if gqa else heads, keys, dim, device=device, dtype=dtype, generator=g)
+                for _ in range(2))  # fmt: skip
+        mask = None
+        if masked:  # the last chunk's rows: it sees every earlier key
+            mask = torch.ones(chunk, args.seq, dtype=torch.bool, device=device).tril(args.seq - chunk)
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+        call = {"attn_mask": mask, "is_causal": not masked, "enable_gqa": gqa}
+
+        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: dict[str, Any]) -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, **call).sum().backward()
+
+        picked.clear()
+        with Kernel():
+            step(q, k, v, call)
+        kernel = picked[0] if picked else "math (no fused kernel)"
+        for _ in range(2):
+            step(q, k, v, call)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, n = time.perf_counter(), 5
+        for _ in range(n):
+            step(q, k, v, call)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append({"mask": masked, "gqa": gqa, "q_tokens": chunk, "keys": keys, "kernel": kernel,
+                     "ms": round((time.perf_counter() - start) / n * 1000, 3)})  # fmt: skip
+    return {"check": "attention", "seq": args.seq, "cp": args.cp, "dtype": str(dtype), "rows": rows, "ok": True}
+
+
+class _Measured(Exception):
+    """Raised at the first step's start: the set-up was all that was wanted."""
+
+
+class SetupClock(L.Callback):
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.start
+        raise _Measured
+
+
+def weights(args: argparse.Namespace) -> dict[str, Any]:
+    """Making a meta-built model's weights, set-up included (to the first step, which never runs): ``--init
+    local`` (each rank initializes its shards on the device) or ``rank0`` (rank 0's host init, sent)."""
+    module = CausalLM(model=args.model, meta_init=True)
+    clock = SetupClock()
+    strategy = CuboidStrategy(weights_init=args.init)
+    trainer = trainer_for(args, strategy, max_steps=1, callbacks=[clock])
+    try:
+        trainer.fit(module, DataLoader(tokens(1, 16, module.cfg.vocab_size), batch_size=1))
+    except _Measured:
+        pass
+    return {
+        "check": "weights",
+        "model": args.model,
+        "init": args.init,
+        "params": sum(p.numel() for p in module.parameters()),
+        "setup_s": round(clock.seconds, 2),
+        "pieces_initialized": strategy.weights_made.get("initialized"),
+        "peak_mem_gib": round(peak_memory_bytes(module.device) / 2**30, 2),
+        "ok": bool(strategy.weights_made.get("initialized")),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=["throughput", "resume", "offload"])
+    parser.add_argument(
+        "check", choices=["env", "sync_audit", "throughput", "attention", "weights", "resume", "offload"]
+    )
     parser.add_argument("--model", default="150m")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
@@ -192,11 +398,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--ac", choices=["full", "selective"], default=None)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--cp", type=int, default=4, help="attention: the context-parallel degree of the shapes")
+    parser.add_argument("--init", choices=["local", "rank0"], default="local", help="weights: weights_init")
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--out", default=None, help="append the result as one JSON line to this file")
     args = parser.parse_args(argv)
-    result = {"throughput": throughput, "resume": resume, "offload": offload}[args.check](args)
+    checks = {"env": env, "sync_audit": sync_audit, "throughput": throughput, "attention": attention,
+              "weights": weights, "resume": resume, "offload": offload}  # fmt: skip
+    result = checks[args.check](args)
     result["date"] = time.strftime("%Y-%m-%d")
     result["torch"] = torch.__version__
     line = json.dumps(result)
