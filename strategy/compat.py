@@ -242,26 +242,45 @@ def set_group_timeout(group: Any, timeout: Any) -> None:
     dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# torch's flight recorders: the generic one (gloo and any other backend) and NCCL's own (CUDA builds), each a ring
+# of its own with its own record ids, each dumped to Python only as a pickle by these private functions.
+_RINGS = (("fr", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
+
+
+def _ring_dump(name: str, stacks: bool) -> bytes | None:
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, name, None)
+    if dump is None:
+        return None
+    try:
+        return dump(True, stacks, False)
+    except RuntimeError:  # a recorder this process never started
+        return None
+
+
 def flight_recorder_entries() -> list[dict[str, Any]]:
-    """This process's flight-recorder ring (the last collectives it issued, oldest first; gloo and NCCL alike, when
-    ``TORCH_FR_BUFFER_SIZE`` was set before the first collective). Each entry has ``process_group`` (name, desc),
-    ``profiling_name`` (e.g. ``"gloo:all_gather"``), ``collective_seq_id``, ``input_sizes`` and ``retired``.
-    torch exposes the dump to Python only as ``torch._C._distributed_c10d._dump_fr_trace`` (a pickle)."""
+    """This process's flight-recorder entries (the last collectives it issued, when ``TORCH_FR_BUFFER_SIZE`` was set
+    before the first one), from both of torch's recorders: the generic one, which gloo writes, and NCCL's own,
+    which NCCL process groups write in CUDA builds (``_dump_fr_trace`` alone reads none of NCCL's). Each entry has
+    ``ring`` ("fr" or "nccl": record ids count per ring), ``record_id``, ``process_group`` (name, desc),
+    ``profiling_name`` (e.g. ``"gloo:all_gather"``, ``"nccl:all_reduce"``), ``collective_seq_id``, ``input_sizes``,
+    ``time_created_ns`` and ``retired``; oldest first."""
     import pickle
 
-    from torch._C import _distributed_c10d
+    entries: list[dict[str, Any]] = []
+    for ring, name in _RINGS:
+        raw = _ring_dump(name, stacks=False)
+        if raw is not None:
+            entries += [{**entry, "ring": ring} for entry in pickle.loads(raw).get("entries", [])]
+    entries.sort(key=lambda entry: (entry.get("time_created_ns", 0), entry["ring"], entry["record_id"]))
+    return entries
 
-    dump = getattr(_distributed_c10d, "_dump_fr_trace", None)
-    if dump is None:
-        return []
-    return list(pickle.loads(dump(True, False, False)).get("entries", []))
 
-
-def flight_recorder_dump() -> bytes:
-    """The same ring with stack traces, pickled as torch's ``fr_trace`` analyzer reads it (see above)."""
-    from torch._C import _distributed_c10d
-
-    return _distributed_c10d._dump_fr_trace(True, True, False)
+def flight_recorder_dump(ring: str = "fr") -> bytes | None:
+    """One recorder's ring with stack traces, pickled as torch's ``fr_trace`` analyzer reads it (``ring``: "fr",
+    the generic one, or "nccl"); None where this build has no such recorder."""
+    return _ring_dump(dict(_RINGS)[ring], stacks=True)
 
 
 class PointToPointCounter(TorchDispatchMode):

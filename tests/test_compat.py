@@ -358,8 +358,10 @@ dist.all_reduce(torch.ones(2), group=group)
 compat.set_group_timeout(group, timedelta(seconds=3))
 dist.all_gather_into_tensor(torch.empty(2), torch.ones(2), group=group)
 entries = compat.flight_recorder_entries()
-keep = ("process_group", "profiling_name", "collective_seq_id", "retired", "timeout_ms", "input_sizes")
+keep = ("ring", "process_group", "profiling_name", "collective_seq_id", "retired", "timeout_ms", "input_sizes")
+nccl = compat.flight_recorder_dump("nccl")  # NCCL's own recorder: only in CUDA builds, empty without NCCL groups
 print(json.dumps({"entries": [{k: e[k] for k in keep} for e in entries], "dump": len(compat.flight_recorder_dump()),
+                  "nccl": None if nccl is None else len(__import__("pickle").loads(nccl).get("entries", [])),
                   "group": group.group_name}), flush=True)
 dist.barrier()
 os._exit(0)  # not what is tested: a gloo group's teardown at exit crashed once in CI ("terminate called ...")
@@ -367,7 +369,7 @@ os._exit(0)  # not what is tested: a gloo group's teardown at exit crashed once 
 
 
 def test_flight_recorder_entries_and_group_timeouts(tmp_path) -> None:
-    """The hang report relies on: with ``TORCH_FR_BUFFER_SIZE`` set before the first collective, the flight recorder
+    """The hang report and the ledger rely on: with ``TORCH_FR_BUFFER_SIZE`` set before the first collective, the flight recorder
     keeps gloo collectives with their group's name and description (``mesh_<dim>``), kind, per-group sequence
     number and timeout; a mesh dimension's group starts with torch's default timeout (30 min on gloo, not the
     ``init_process_group`` one) and ``set_group_timeout`` changes it. Two fresh processes (the recorder reads its
@@ -387,6 +389,8 @@ def test_flight_recorder_entries_and_group_timeouts(tmp_path) -> None:
     assert [e["collective_seq_id"] for e in mine] == [1, 2]
     assert [e["timeout_ms"] for e in mine] == [30 * 60 * 1000, 3000]
     assert mine[0]["input_sizes"] == [[2]] and facts["dump"] > 0
+    # gloo writes the generic recorder; NCCL's own (read too, on NCCL) exists in CUDA builds only, empty here
+    assert {e["ring"] for e in facts["entries"]} == {"fr"} and facts["nccl"] in (None, 0), facts["nccl"]
 
 
 def test_batch_progress_flags_end_an_epoch_and_tell_the_last_batch(tmp_path) -> None:

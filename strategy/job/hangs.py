@@ -40,6 +40,7 @@ from cuboid.job.watchdog import mark_job
 from cuboid.parallel import dim_groups
 
 _DUMP_PREFIX = "cuboid_rank_"  # Cuboid's dump, beside torch's own
+_NCCL_DUMP_PREFIX = "cuboid_nccl_rank_"  # Cuboid's dump of NCCL's own recorder (CUDA builds, NCCL groups)
 _TORCH_DUMP_PREFIX = "rank_"  # torch's dumps (TORCH_FR_DUMP_TEMP_FILE, NCCL's on a timeout)
 _TIMEOUT_WORDS = ("Timed out", "timed out", "Watchdog caught collective operation timeout", "DistTimeoutError")
 
@@ -163,8 +164,9 @@ class HangReport:
         if dumped is not None:
             lines.append(f"Each rank's flight recorder: {dumped.parent}/{_DUMP_PREFIX}<r>.")
             if dist.get_backend() == "nccl":
-                lines.append(f"NCCL's own, written by torch's watchdog: {dumped.parent}/{_TORCH_DUMP_PREFIX}<r> "
-                             f"(torchfrtrace {dumped.parent} -p {_TORCH_DUMP_PREFIX} compares them).")  # fmt: skip
+                lines.append(f"NCCL's own recorder: {dumped.parent}/{_NCCL_DUMP_PREFIX}<r> (torchfrtrace "
+                             f"{dumped.parent} -p {_NCCL_DUMP_PREFIX} compares them), and as torch's watchdog wrote "
+                             f"it: {dumped.parent}/{_TORCH_DUMP_PREFIX}<r>.")  # fmt: skip
         lines.append("Every rank of the job is being stopped; resume from the last checkpoint.")
         if self.store is not None:
             self.store.set(f"{_DONE}{self.rank}", "1")
@@ -211,14 +213,18 @@ class HangReport:
 
 
 def _write_dump(dump_dir: Path | None, rank: int) -> Path | None:
-    """This rank's flight recorder, pickled as torch dumps it, to ``<dump_dir>/cuboid_rank_<rank>`` (torch's own dumps,
-    NCCL's on a timeout among them, take ``rank_<rank>`` in the same folder)."""
+    """This rank's flight recorder, pickled as torch dumps it, to ``<dump_dir>/cuboid_rank_<rank>``, and NCCL's own
+    recorder, where this process has NCCL entries, to ``cuboid_nccl_rank_<rank>`` (torch's own dumps, NCCL's on a
+    timeout among them, take ``rank_<rank>`` in the same folder)."""
     if dump_dir is None:
         return None
     try:
         dump_dir.mkdir(parents=True, exist_ok=True)
         path = dump_dir / f"{_DUMP_PREFIX}{rank}"
-        path.write_bytes(compat.flight_recorder_dump())
+        path.write_bytes(compat.flight_recorder_dump("fr") or b"")
+        nccl = compat.flight_recorder_dump("nccl")  # NCCL's own recorder (CUDA builds), beside the generic one
+        if nccl is not None and any(e["ring"] == "nccl" for e in compat.flight_recorder_entries()):
+            (dump_dir / f"{_NCCL_DUMP_PREFIX}{rank}").write_bytes(nccl)
         return path
     except Exception as err:  # noqa: BLE001  (a report must not fail on a full disk)
         print(f"Cuboid (rank {rank}): could not write the flight recorder dump: {err}", file=sys.stderr)

@@ -85,6 +85,21 @@ def _tally(entries: list[dict[str, Any]], groups: dict[str, tuple[str, int]]) ->
     return {dim: dict(kinds) for dim, kinds in table.items()}
 
 
+def newest_records(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """The newest record id of each recorder ring among ``entries`` (torch's generic recorder and NCCL's count their
+    records apart)."""
+    newest: dict[str, int] = {}
+    for entry in entries:
+        ring = entry.get("ring", "fr")
+        newest[ring] = max(newest.get(ring, -1), entry["record_id"])
+    return newest
+
+
+def entries_after(entries: list[dict[str, Any]], cursors: dict[str, int]) -> list[dict[str, Any]]:
+    """The entries newer than each ring's cursor (a ring without one: all of its entries)."""
+    return [e for e in entries if e["record_id"] > cursors.get(e.get("ring", "fr"), -1)]
+
+
 class CommLedger(L.Callback):
     """Records every optimizer step's collectives (see the module docstring). ``log``: send them to the loggers on
     logging steps (rank 0)."""
@@ -96,15 +111,15 @@ class CommLedger(L.Callback):
         # under pp over groups named cuboid_weights_stage<s>), a checkpoint's load (as far as the recorder's ring
         # still holds it).
         self.setup_table: dict[str, dict[str, list[int]]] = {}
-        self._setup_from = -1
-        self._last = -1  # the newest flight-recorder record already counted
+        self._setup_from: dict[str, int] = {}
+        self._last: dict[str, int] = {}  # per recorder ring (generic, NCCL's): the newest record already counted
         self._groups: dict[str, tuple[str, int]] = {}
         self._p2p: Any = None  # on gloo with pp > 1 (see the module docstring)
         self._p2p_active = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Before the model is built: where the set-up's collectives start (an earlier fit's are not counted)."""
-        self._setup_from = max((e["record_id"] for e in compat.flight_recorder_entries()), default=-1)
+        self._setup_from = newest_records(compat.flight_recorder_entries())
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         entries = compat.flight_recorder_entries()
@@ -113,14 +128,14 @@ class CommLedger(L.Callback):
                 "CommLedger reads torch's flight recorder, which is off: use CuboidStrategy(flight_recorder=N) with "
                 "N > 0 (the default, 20000), and do not set TORCH_FR_BUFFER_SIZE=0."
             )
-        self._last = max((e["record_id"] for e in entries), default=-1)
+        self._last = newest_records(entries)
         try:
             mesh = trainer.strategy.device_mesh
         except (AttributeError, AssertionError, RuntimeError):  # not a mesh strategy
             mesh = None
         experts = getattr(trainer.strategy, "experts_layout", None)
         self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
-        self.setup_table = _tally([e for e in entries if e["record_id"] > self._setup_from], self._groups)
+        self.setup_table = _tally(entries_after(entries, self._setup_from), self._groups)
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
 
@@ -147,9 +162,8 @@ class CommLedger(L.Callback):
         self._exit_p2p()
         if compat.should_accumulate(trainer):
             return
-        entries = [e for e in compat.flight_recorder_entries() if e["record_id"] > self._last]
-        if entries:
-            self._last = entries[-1]["record_id"]
+        entries = entries_after(compat.flight_recorder_entries(), self._last)
+        self._last = {**self._last, **newest_records(entries)}
         step = _tally(entries, self._groups)
         if self._p2p is not None:  # gloo's send/recv, counted by the dispatch mode
             step.setdefault("pp", {})["send_recv"] = [self._p2p.count, self._p2p.bytes]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT, run_checked, worker_env
 
-from cuboid.measure.ledger import entry_bytes, kind_of
+from cuboid.measure.ledger import entries_after, entry_bytes, kind_of, newest_records
 
 
 def test_kinds_and_bytes_of_flight_recorder_entries() -> None:
@@ -23,6 +23,16 @@ def test_kinds_and_bytes_of_flight_recorder_entries() -> None:
     entry = {"input_sizes": [[8, 16, 64]], "input_dtypes": ["BFloat16"], "output_sizes": [[1, 8, 16, 64]]}
     assert entry_bytes(entry, "all_gather", 4) == 4 * 8 * 16 * 64 * 2
     assert entry_bytes(entry, "all_reduce", 4) == 8 * 16 * 64 * 2
+
+
+def test_each_recorder_ring_keeps_its_own_cursor() -> None:
+    """torch's generic recorder (gloo) and NCCL's own number their records apart: a step's new entries are those past
+    each ring's cursor, so NCCL's record 3 is new after the generic ring's record 9 was counted."""
+    entries = [{"ring": "fr", "record_id": i} for i in range(10)] + [{"ring": "nccl", "record_id": i} for i in range(5)]
+    cursors = newest_records(entries[:10] + entries[10:13])
+    assert cursors == {"fr": 9, "nccl": 2}
+    assert entries_after(entries, cursors) == [{"ring": "nccl", "record_id": 3}, {"ring": "nccl", "record_id": 4}]
+    assert entries_after(entries, {}) == entries  # no cursor yet: everything is new
 
 
 @pytest.fixture(scope="module")
