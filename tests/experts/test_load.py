@@ -17,7 +17,8 @@ from cuboid.experts.load import ExpertLoad, load_figures
 
 # aten operators whose CUDA kernels wait for the device to learn an output size or a value: a host sync each.
 SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
-           "unique_consecutive", "repeat_interleave")  # fmt: skip
+           "unique_consecutive")  # fmt: skip
+# repeat_interleave with a tensor of repeats reads their sum back to size its output, unless output_size is given
 
 
 class SyncOps(TorchDispatchMode):
@@ -32,7 +33,8 @@ class SyncOps(TorchDispatchMode):
         masked = name in ("index", "index_put", "index_put_") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
         )
-        if name in SYNCING or masked:
+        sized = name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+        if name in SYNCING or masked or sized:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
 
