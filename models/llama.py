@@ -147,9 +147,12 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Grouped-query heads go to attention as they are (enable_gqa), not repeated: what context parallel gathers
+        # over its ranks is then the model's own key/value heads (n_heads / n_kv_heads times fewer bytes).
+        gqa = q.shape[2] != k.shape[2]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

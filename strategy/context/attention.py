@@ -3,9 +3,9 @@
 A sequence of ``S`` tokens is cut into ``2 x cp`` equal chunks; cp rank ``i`` holds chunks ``i`` and
 ``2 cp - 1 - i``, so under a causal mask every rank carries the same amount of work (no rank holds the long end of
 the triangle alone). Attention over the whole sequence is exact: each rank gathers every rank's keys and values
-over the cp group (an all-gather in forward whose backward sums each chunk's key and value gradients back to the
-rank that holds it: a reduce-scatter, written as an all-reduce and a slice on gloo, which has no reduce-scatter),
-and masks by the tokens' *global* positions. Equal to full attention up to float32 round-off
+over the cp group (one ``all_gather_into_tensor`` in forward, of the model's own key/value heads: a grouped-query
+model's are not repeated first; its backward sums each chunk's key and value gradients back to the rank that holds
+it with one ``reduce_scatter_tensor``, half an all-reduce's bytes), and masks by the tokens' *global* positions. Equal to full attention up to float32 round-off
 (``tests/parallel/test_context.py``).
 
 This is the CPU/gloo path; torch's ring attention (``context_parallel``) is the GPU fast path.
@@ -65,22 +65,37 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence dim over ``group`` (cp rank order); backward: each rank gets the sum of every
-    rank's gradient for its own shard."""
+    """All-gather along the sequence dim over ``group`` (cp rank order) in one tensor collective; backward: a
+    reduce-scatter, each rank getting the sum of every rank's gradient for its own shard."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts, dim)
+        return _moved(_all_gather(local, group), dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter: sum everything, keep this rank's part
-        rank = dist.get_rank(ctx.group)
-        return grad.chunk(dist.get_world_size(ctx.group), ctx.dim)[rank].contiguous(), None, None
+        cp = dist.get_world_size(ctx.group)
+        shape = list(grad.shape)
+        shape[ctx.dim : ctx.dim + 1] = [cp, shape[ctx.dim] // cp]
+        stacked = grad.reshape(shape).movedim(ctx.dim, 0).contiguous()  # (cp, ..., local tokens, ...)
+        mine = stacked.new_empty(stacked.shape[1:])
+        dist.reduce_scatter_tensor(mine, stacked.flatten(0, 1), group=ctx.group)
+        return mine, None, None
+
+
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(cp, *local.shape)``: every rank's ``local`` in cp rank order, by one ``all_gather_into_tensor``."""
+    cp = dist.get_world_size(group)
+    out = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    return out.view(cp, *local.shape)
+
+
+def _moved(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """``(cp, ...)`` -> the cp parts concatenated along ``dim`` of one part."""
+    moved = stacked.movedim(0, dim)
+    return moved.reshape(*moved.shape[:dim], -1, *moved.shape[dim + 2 :])
 
 
 def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -105,10 +120,8 @@ class _GatherTokens(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         seq_len = local.shape[1] * cp
         ctx.cp, ctx.index = cp, local_positions(seq_len, rank, cp, local.device)
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local.contiguous(), group=group)
         order = torch.argsort(_gathered_positions(seq_len, cp, local.device))
-        return torch.cat(parts, 1).index_select(1, order)
+        return _moved(_all_gather(local, group), 1).index_select(1, order)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
