@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from cuboid.context import hf
@@ -300,7 +301,10 @@ class ContextParallel:
         mine = full_target.index_select(1, positions)
         a["target"] = mine.reshape(-1) if target.dim() == 1 else mine
         reduction, a["reduction"] = a["reduction"], "none"
-        per_token = gather_tokens(func(**a).view(batch, local), self.group)  # (batch, seq_len), global order
+        mine_per_token = func(**a)
+        if isinstance(mine_per_token, DTensor):  # loss parallel: vocabulary-sharded logits, each token's loss whole
+            mine_per_token = mine_per_token.to_local()  # (replicated over tp; its gradient flows to the shards)
+        per_token = gather_tokens(mine_per_token.view(batch, local), self.group)  # (batch, seq_len), global order
         if reduction == "none":
             return per_token.reshape(target.shape)
         if reduction == "sum":
@@ -326,8 +330,9 @@ class _Interceptor(TorchFunctionMode):
         if self.cp._seq is not None and not self.cp._inside:
             if func is F.scaled_dot_product_attention:
                 return self.cp.sdpa(*args, **kwargs)
-            if func in _LOSSES:
-                return self.cp.loss(func, *args, **kwargs)
+            loss = getattr(func, "__wrapped__", func)  # loss parallel's F.cross_entropy wraps torch's
+            if loss in _LOSSES:
+                return self.cp.loss(loss, *args, **kwargs)
         return func(*args, **kwargs)
 
 

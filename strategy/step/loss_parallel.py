@@ -16,6 +16,7 @@ runs inside the schedule, and its ``"loss_parallel"`` entry is applied as ``"out
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -66,6 +67,7 @@ class LossParallel:
         lm.__dict__["log"], lm.__dict__["log_dict"] = plain_log, plain_log_dict
         original = F.cross_entropy
 
+        @functools.wraps(original)  # __wrapped__: context parallel's interception finds torch's own function
         def cross_entropy(input: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(input, *args, **kwargs)
             return plain(out) if isinstance(input, DTensor) else out

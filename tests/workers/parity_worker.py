@@ -376,6 +376,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "stopped_by": stopped_by,
         "skipped": list(strategy.nonfinite.skipped),
         "weights_made": dict(strategy.weights_made),
+        "loss_parallel": strategy.loss_parallel.enabled,
         "setup_comm": ledger.setup_table if ledger is not None else None,
         "init_stats": init_stats.stats if init_stats is not None else None,
         "pp_rank": strategy.device_mesh["pp"].get_local_rank(),
