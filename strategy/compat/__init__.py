@@ -1,7 +1,8 @@
 """The one door to other libraries' internals.
 
 Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
-or touched here, and nowhere else, each with what it is for and why no public API serves. Checked on:
+or touched here (this package: torch.distributed's in ``compat/distributed.py``, re-exported below), and nowhere
+else, each with what it is for and why no public API serves. Checked on:
 lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
 ``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
 too), so an upgrade that changes one fails there, not silently in users' runs.
@@ -20,9 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # --- lightning -----------------------------------------------------------------------------------------------
 # isort: off
@@ -53,16 +52,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import (  # noqa: F
     _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
 )
 # isort: on
-
-
-def distributed_is_initialized() -> bool:
-    """Public torch for Lightning's ``_distributed_is_initialized``."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def default_process_group_backend(device: torch.device) -> str:
-    """NCCL for CUDA devices, gloo otherwise (what Lightning's private helper chooses for these two)."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
@@ -205,100 +194,12 @@ def pending_checkpoint(trainer: Any) -> Any:
 # --- torch -----------------------------------------------------------------------------------------------------
 
 
-def start_dtensor_rng(mesh: Any) -> bool:
-    """Make DTensor's random-number tracker now, on every rank, where the mesh's device has one (CUDA and alike);
-    returns whether one was made. DTensor makes it lazily at the first random op on a DTensor (dropout on a
-    sequence-parallel activation, a DTensor init), with a broadcast of rank 0's RNG state over the world: under
-    pipeline parallelism only some stages get there, and the others never join that broadcast (a hang). Made here,
-    at set-up, every rank joins. ``torch.distributed.tensor._random``'s ``_rng_tracker`` and
-    ``OffsetBasedRNGTracker`` are what DTensor's dispatcher reads and makes (torch 2.11 and 2.13); its public
-    ``manual_seed`` makes one without the broadcast and needs every rank seeded alike, which Cuboid cannot assume."""
-    from torch.distributed.tensor import _random
-
-    if _random._rng_tracker is not None or not _random.is_rng_supported_mesh(mesh):
-        return False
-    _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
-    return True
-
-
 def is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view made from ``base`` (``Tensor._base``). A pipeline schedule hands the loss
     function views of the target it was given (``tensor_split``) for real microbatches, and a detached copy of
     one for its metadata inference, which runs the last stage on uninitialized inputs: no public flag says
     which call is which."""
     return tensor._base is base
-
-
-def default_store() -> Any:
-    """The default process group's rendezvous store (a ``TCPStore`` hosted by rank 0's process), which the peer
-    watchdog writes its heartbeats to. ``torch.distributed`` keeps it but has no public getter."""
-    return dist.distributed_c10d._get_default_store()
-
-
-def set_group_timeout(group: Any, timeout: Any) -> None:
-    """Give ``group`` the collective timeout the user asked for. ``DeviceMesh`` makes its per-dimension groups with
-    torch's default timeout (30 min gloo, 10 min NCCL), whatever ``init_process_group(timeout=...)`` said, and takes
-    none itself; ``_set_pg_timeout`` is torch's own setter, with no public twin in 2.13."""
-    dist.distributed_c10d._set_pg_timeout(timeout, group)
-
-
-# torch's flight recorders: the generic one (gloo and any other backend) and NCCL's own (CUDA builds), each a ring
-# of its own with its own record ids, each dumped to Python only as a pickle by these private functions.
-_RINGS = (("fr", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
-
-
-def _ring_dump(name: str, stacks: bool) -> bytes | None:
-    from torch._C import _distributed_c10d
-
-    dump = getattr(_distributed_c10d, name, None)
-    if dump is None:
-        return None
-    try:
-        return dump(True, stacks, False)
-    except RuntimeError:  # a recorder this process never started
-        return None
-
-
-def flight_recorder_entries() -> list[dict[str, Any]]:
-    """This process's flight-recorder entries (the last collectives it issued, when ``TORCH_FR_BUFFER_SIZE`` was set
-    before the first one), from both of torch's recorders: the generic one, which gloo writes, and NCCL's own,
-    which NCCL process groups write in CUDA builds (``_dump_fr_trace`` alone reads none of NCCL's). Each entry has
-    ``ring`` ("fr" or "nccl": record ids count per ring), ``record_id``, ``process_group`` (name, desc),
-    ``profiling_name`` (e.g. ``"gloo:all_gather"``, ``"nccl:all_reduce"``), ``collective_seq_id``, ``input_sizes``,
-    ``time_created_ns`` and ``retired``; oldest first."""
-    import pickle
-
-    entries: list[dict[str, Any]] = []
-    for ring, name in _RINGS:
-        raw = _ring_dump(name, stacks=False)
-        if raw is not None:
-            entries += [{**entry, "ring": ring} for entry in pickle.loads(raw).get("entries", [])]
-    entries.sort(key=lambda entry: (entry.get("time_created_ns", 0), entry["ring"], entry["record_id"]))
-    return entries
-
-
-def flight_recorder_dump(ring: str = "fr") -> bytes | None:
-    """One recorder's ring with stack traces, pickled as torch's ``fr_trace`` analyzer reads it (``ring``: "fr",
-    the generic one, or "nccl"); None where this build has no such recorder."""
-    return _ring_dump(dict(_RINGS)[ring], stacks=True)
-
-
-class PointToPointCounter(TorchDispatchMode):
-    """Counts the ``c10d`` send and recv ops issued while it is entered (``with counter:``), and their tensors'
-    bytes. ``TorchDispatchMode`` (torch.utils._python_dispatch) has no public twin; the ledger uses this on gloo,
-    whose send/recv torch 2.13's flight recorder leaves out. Pinned end to end by tests/test_ledger.py (pp2 on
-    gloo: 8 sends and receives per stage, the analytic bytes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d" and func.__name__.split(".")[0] in ("send", "recv_"):
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            self.count += 1
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
 
 
 def torch_function_modes() -> list[Any]:
@@ -308,22 +209,6 @@ def torch_function_modes() -> list[Any]:
     from torch.overrides import _get_current_function_mode_stack
 
     return list(_get_current_function_mode_stack())
-
-
-def flatten_mesh(mesh: Any, name: str) -> Any:
-    """A named 1-D view of some mesh dims. ``DeviceMesh._flatten`` has no public twin in torch 2.11 or 2.13;
-    torchtitan uses it the same way. Both warn that looking a flattened dim up by name on the root mesh "will be
-    deprecated" and ask callers to keep the flattened mesh themselves: Cuboid does (``cuboid.parallel.mesh.submesh``);
-    only a user's ``mesh["data_parallel"]`` (ModelParallelStrategy's name) still takes torch's lookup (pinned in
-    tests/test_compat.py)."""
-    return mesh._flatten(name)
-
-
-def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """A 1-D mesh split into ``len(sizes)`` named dims (``DeviceMesh._unflatten``, torch 2.11 and 2.13; no public
-    twin): how a 2-D view whose inner dim is itself flattened (HSDP's ``dp_replicate x dp_shard_cp``) is made without
-    slicing a flattened name from the root mesh."""
-    return mesh._unflatten(0, sizes, names)
 
 
 def module_apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:
@@ -384,14 +269,6 @@ def reads_kv_cache_only(module: nn.Module) -> bool:
     return bool(getattr(module, "_can_checkpoint_with_cache", False))
 
 
-def init_fake_process_group(world_size: int) -> None:
-    """A process group of ``world_size`` ranks held by this one process, whose collectives do nothing (torch's
-    ``fake`` backend, from ``torch.testing``): enough to build meshes and shard meta tensors for a dry run."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-
-
 def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
     """Multiply every tensor in place by one 0-d tensor in a few fused kernels (``torch._foreach_mul_``, what
     ``torch.nn.utils.clip_grads_with_norm_`` uses; that one takes parameters, whose DTensor gradients of different
@@ -411,3 +288,19 @@ def layer_sync(strategy: Any) -> Any:
     accelerator connector sets it on ``Strategy._layer_sync`` (lightning 2.5 and 2.6), which DDP and FSDP read in
     ``setup``; ``None`` when not asked (pinned in tests/test_compat.py)."""
     return getattr(strategy, "_layer_sync", None)
+
+
+# --- torch.distributed: cuboid/compat/distributed.py -------------------------------------------------------------
+from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distributed half of this door)
+    PointToPointCounter,
+    default_process_group_backend,
+    default_store,
+    distributed_is_initialized,
+    flatten_mesh,
+    flight_recorder_dump,
+    flight_recorder_entries,
+    init_fake_process_group,
+    set_group_timeout,
+    start_dtensor_rng,
+    unflatten_mesh,
+)
