@@ -38,21 +38,23 @@ MOE_CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=
 BATCH, SEQ = 8, 32
 LAYOUTS: dict[int, list[tuple[str, dict]]] = {
     2: [("dp2", {}), ("tp2", {"tensor_parallel": 2}), ("pp2", {"pipeline_parallel": 2}),
-        ("moe-ep2", {"expert_parallel": 2})],
+        ("moe-ep2", {"expert_parallel": 2}), ("cp2", {"context_parallel": 2})],
     4: [("dp4", {}), ("dp2xtp2", {"tensor_parallel": 2}), ("hsdp2x2", {"data_parallel_replicate": 2}),
-        ("pp2xdp2", {"pipeline_parallel": 2}), ("moe-ep2-in-dp4", {"expert_parallel": 2})],
+        ("pp2xdp2", {"pipeline_parallel": 2}), ("moe-ep2-in-dp4", {"expert_parallel": 2}),
+        ("cp2xtp2", {"context_parallel": 2, "tensor_parallel": 2})],
     8: [("pp2xdp2xtp2", {"pipeline_parallel": 2, "tensor_parallel": 2})],
 }  # fmt: skip
-MODEL_DIMS = ("dp_shard", "dp_replicate", "tp", "pp", "efsdp", "ep")
+MODEL_DIMS = ("dp_shard", "dp_replicate", "tp", "pp", "efsdp", "ep", "cp", "dp_shard_cp")
 
 
 def setup_of(kwargs: dict, world: int) -> Setup:
-    pp, rep, tp = (
+    pp, rep, tp, cp = (
         kwargs.get("pipeline_parallel", 1),
         kwargs.get("data_parallel_replicate", 1),
         kwargs.get("tensor_parallel", 1),
+        kwargs.get("context_parallel", 1),
     )
-    return Setup(pp=pp, dp_replicate=rep, dp_shard=world // (pp * rep * tp), tp=tp, batch=BATCH, seq=SEQ,
+    return Setup(pp=pp, dp_replicate=rep, dp_shard=world // (pp * rep * tp * cp), cp=cp, tp=tp, batch=BATCH, seq=SEQ,
                  precision="32-true", ep=kwargs.get("expert_parallel", 1),
                  balance=bool(MOE_CFG.aux_loss_coef) and kwargs.get("expert_parallel", 1) > 1)  # fmt: skip
 

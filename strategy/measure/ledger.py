@@ -55,11 +55,11 @@ def entry_bytes(entry: dict[str, Any], kind: str, group_size: int) -> int:
 
 def _mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
     """Process-group name -> (mesh dimension, size), for this rank: the first dimension (pp, dp_replicate,
-    dp_shard, tp, then the flattened dp; then expert parallel's ep and efsdp, from its own mesh) of size > 1 that
-    uses it (``experts``: the strategy's :attr:`experts_layout`). A dimension as large as the world shares the
+    dp_shard, cp, tp, then the flattened dp and dp_shard_cp, FSDP's under cp; then expert parallel's ep and efsdp,
+    from its own mesh) of size > 1 that uses it (``experts``: the strategy's :attr:`experts_layout`). A dimension as large as the world shares the
     default group."""
     found: dict[str, tuple[str, int]] = {}
-    dims = [*dim_groups(mesh, ("pp", "dp_replicate", "dp_shard", "tp", "dp"))]
+    dims = [*dim_groups(mesh, ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp"))]
     if experts is not None:
         dims += dim_groups(experts.fsdp_mesh, ("efsdp",))
         ep = experts.ep_mesh.get_group()  # may be another dimension's group too: its all-to-alls are expert parallel's

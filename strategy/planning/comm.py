@@ -24,6 +24,10 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
       per micro-batch, loss parallel's three all-reduces of one float32 per token (the logits' maximum, the sum
       of their exponentials, the target's logit), or under pp, where the plan's loss parallel becomes a gathered
       output, the logits all-gathered (``b s vocab``).
+    * CP (``cp``): per block and micro-batch, the whole sequence's K and V all-gathered (the model's own KV heads,
+      this tp rank's share; again in a full recompute) and their gradients reduce-scattered back (an all-reduce on
+      gloo's ledger, as above); on the last stage, the per-token losses (float32) gathered per micro-batch. FSDP
+      then shards over ``dp_shard_cp`` (dp_shard x cp) and is booked there.
     * PP (``pp``): each micro-batch's activation and its gradient across each stage boundary this rank has.
     * Mixture of experts: at ``ep`` 1 the experts are part of their block's unit. At ``ep`` > 1 they are FSDP units
       of their own over ``efsdp`` (this rank's ``experts / ep``, gathered and reduced like the blocks), and per MoE
@@ -44,20 +48,20 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     if shape.experts and setup.ep > 1:  # the experts leave the blocks' units for their own, over efsdp
         stage, block = stage - blocks * shape.block_experts, block - shape.block_experts
         out.update(_experts_terms(shape, setup, blocks, c, r, rs))
-    if setup.dp_shard > 1:
+    if setup.dp_shard * setup.cp > 1:  # FSDP shards over dp_shard, or dp_shard x cp (dp_shard_cp) under cp
         backward = 0 if setup.pp > 1 else (blocks - 1) * block
-        out["dp_shard"] = {"all_gather": (stage + backward) * c, rs: stage * r}
+        out[_fsdp_dim(setup)] = {"all_gather": (stage + backward) * c, rs: stage * r}
     if setup.dp_replicate > 1:
         out["dp_replicate"] = {"all_reduce": stage / setup.dp_shard * r}
     n_stages = setup.pp * setup.virtual_stages
     stages = rank_stages(setup)[pp_rank]
-    act = setup.batch / setup.m * setup.seq * shape.dim * c  # one micro-batch's b s h
+    act = setup.batch / setup.m * setup.seq / setup.cp * shape.dim * c  # one micro-batch's b s h (this cp rank's s)
     if setup.tp > 1:
         last = n_stages - 1 in stages
         ends = (0 in stages) + last
         per = 4 * blocks + (2 * blocks if setup.ac == "full" else 0) + ends
         norms = (2 * blocks + last) * shape.dim * c
-        tokens = setup.batch / setup.m * setup.seq  # of one micro-batch
+        tokens = setup.batch / setup.m * setup.seq / setup.cp  # of one micro-batch, on this cp rank
         loss = 3 * tokens * 4 if last and setup.pp == 1 else 0
         logits = tokens * shape.vocab * c if last and setup.pp > 1 else 0
         out["tp"] = {"all_gather": (per * act + logits) * setup.m, rs: per * act * setup.m}
@@ -65,6 +69,14 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
             out["tp"]["all_reduce"] += norms + loss * setup.m
         else:
             out["tp"]["all_reduce"] = norms + loss * setup.m
+    if setup.cp > 1:  # each block's K and V (the model's own KV heads, tp-local), gathered whole over cp
+        micro = setup.batch / setup.m
+        kv = micro * setup.seq * shape.kv_dim / setup.tp * c
+        gathers = 2 * blocks * (2 if setup.ac == "full" else 1)  # again in a full recompute
+        losses = micro * setup.seq * 4 if n_stages - 1 in stages else 0  # the per-token losses (float32), last stage
+        cp = out.setdefault("cp", {})  # (FSDP's too when cp is the whole world: see _fsdp_dim)
+        cp["all_gather"] = cp.get("all_gather", 0.0) + (gathers * kv + losses) * setup.m
+        cp[rs] = cp.get(rs, 0.0) + 2 * blocks * kv * setup.m
     if shape.experts and setup.balance:
         parts = blocks * (2 * shape.experts + 1) * 4 * setup.m * (2 if setup.ac else 1)
         for dim, size in (("dp_replicate", setup.dp_replicate), ("dp_shard", setup.dp_shard), ("cp", setup.cp)):
@@ -74,6 +86,14 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
         boundaries = sum((st > 0) + (st < n_stages - 1) for st in stages)
         out["pp"] = {"send_recv": 2 * boundaries * act * setup.m / setup.tp}
     return out
+
+
+def _fsdp_dim(setup: Any) -> str:
+    """The mesh dimension the ledger books FSDP's collectives to: ``dp_shard``; under cp ``dp_shard_cp``, unless cp
+    is the whole world: both are then torch's default group, which the ledger names by its first dimension, ``cp``."""
+    if setup.cp == 1:
+        return "dp_shard"
+    return "cp" if setup.cp == setup.world else "dp_shard_cp"
 
 
 def _experts_terms(shape: Any, setup: Any, blocks: int, c: int, r: int, rs: str) -> dict[str, dict[str, float]]:

@@ -90,6 +90,35 @@ def test_expert_parallel_all_to_all_bytes_equal_the_analytic_figure(comm) -> Non
 
 
 @pytest.mark.slow
+def test_context_parallel_bytes_follow_the_kv_heads(comm) -> None:
+    """cp2 (this Llama: 4 query heads, 2 KV heads): per block and micro-batch the model's own K and V gathered whole
+    over cp (2 heads each, not 4 repeated: half the bytes), their gradients reduce-scattered back (gloo's is booked
+    as an all-reduce; half an all-reduce's bytes), the per-token losses gathered once. cp is the whole world here:
+    FSDP's dp_shard_cp and cp are both torch's default group, so FSDP's 8 gathers and 7 reductions are booked
+    there too. Measured = expected:
+    1397 KiB gathered (1140 FSDP + 257 K/V and losses; repeated heads would have made the K/V part 513)."""
+    rows = {(r["dim"], r["kind"]): r for r in comm["cp2"]["pp rank 0"]}
+    gather, back = rows["cp", "all_gather"], rows["cp", "all_reduce"]
+    assert gather["count"] == 8 + 2 * 4 + 1 and gather["ratio"] == pytest.approx(1.0, abs=1e-9), gather
+    assert back["count"] == 7 + 2 * 4 and back["ratio"] == pytest.approx(1.0, abs=1e-4), back
+
+
+@pytest.mark.slow
+def test_under_cp_x_tp_the_logits_are_not_gathered_over_tp(tmp_path: Path) -> None:
+    """cp2 x tp2: loss parallel stays on, so tp's all-gathers are sequence parallel's alone, on this cp rank's half
+    of the sequence (the analytic figure has no logits term without pp); cp gathers each tp rank's KV heads; FSDP
+    over dp_shard_cp, a group of its own."""
+    out = tmp_path / "comm4-cp.json"
+    run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "4", "--only",
+                 "cp2xtp2", "--out", str(out)], timeout=600, env=worker_env())  # fmt: skip
+    (result,) = json.loads(out.read_text())["results"]
+    rows = {(r["dim"], r["kind"]): r for r in result["per_stage"]["pp rank 0"]}
+    assert rows["tp", "all_gather"]["ratio"] == pytest.approx(1.0, abs=1e-9), rows["tp", "all_gather"]
+    for key in (("cp", "all_gather"), ("cp", "all_reduce"), ("dp_shard_cp", "all_gather")):
+        assert rows[key]["ratio"] == pytest.approx(1.0, abs=1e-4), (key, rows[key])
+
+
+@pytest.mark.slow
 def test_experts_fsdp_over_efsdp_bytes_equal_the_analytic_figure(tmp_path: Path) -> None:
     """ep2 inside dp_shard 4: each rank's 2 experts per block are FSDP units over the 2 ranks holding the same
     experts (efsdp), gathered in forward and in backward but the last block's, reduced once each."""
