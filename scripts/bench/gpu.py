@@ -33,6 +33,9 @@ from cuboid import CuboidStrategy
 from cuboid.callbacks import device_peak_flops, peak_memory_bytes
 from cuboid.models import CausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import SetupClock, SetupMeasured  # noqa: E402  (scripts/bench: what the suites share)
+
 
 def tokens(n: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -345,33 +348,16 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
     return {"check": "attention", "seq": args.seq, "cp": args.cp, "dtype": str(dtype), "rows": rows, "ok": True}
 
 
-class _Measured(Exception):
-    """Raised at the first step's start: the set-up was all that was wanted."""
-
-
-class SetupClock(L.Callback):
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.start = time.perf_counter()
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - self.start
-        raise _Measured
-
-
 def weights(args: argparse.Namespace) -> dict[str, Any]:
     """Making a meta-built model's weights, set-up included (to the first step, which never runs): ``--init
     local`` (each rank initializes its shards on the device) or ``rank0`` (rank 0's host init, sent)."""
     module = CausalLM(model=args.model, meta_init=True)
-    clock = SetupClock()
+    clock = SetupClock(stop=True)
     strategy = CuboidStrategy(weights_init=args.init)
     trainer = trainer_for(args, strategy, max_steps=1, callbacks=[clock])
     try:
         trainer.fit(module, DataLoader(tokens(1, 16, module.cfg.vocab_size), batch_size=1))
-    except _Measured:
+    except SetupMeasured:
         pass
     return {
         "check": "weights",

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,28 @@ def write_results(out: str, meta: dict[str, Any], results: list[Any]) -> None:
     base = {"machine": "CPU, gloo", "torch": torch.__version__, "lightning": L.__version__}
     path.write_text(json.dumps({**base, **meta, "results": results}, indent=1))
     print(f"wrote {path}")
+
+
+class SetupMeasured(Exception):
+    """Raised by ``SetupClock(stop=True)`` at the first step's start: the set-up was all that was wanted."""
+
+
+class SetupClock(L.Callback):
+    """Seconds from the Trainer's ``setup`` hook (before ``configure_model``) to ``on_train_start``: the strategy's
+    set-up and a checkpoint's restore (the device synchronized at both ends on a GPU). ``stop``: raise
+    :class:`SetupMeasured` there, so that no step runs."""
+
+    def __init__(self, stop: bool = False) -> None:
+        self.stop, self.start, self.seconds = stop, 0.0, float("nan")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.start
+        if self.stop:
+            raise SetupMeasured

@@ -20,30 +20,19 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from launch import worker_or_relaunch
+from launch import SetupClock, worker_or_relaunch
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
 from cuboid.models import CONFIGS, CausalLM
 
 MODES = ("initialize_then_load", "load_only")
-
-
-class SetupClock(L.Callback):
-    """Seconds from the Trainer's ``setup`` hook (before ``configure_model``) to ``on_train_start``."""
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.seconds = time.perf_counter() - self.start
 
 
 def _trainer(world: int, max_steps: int, callbacks: list[L.Callback]) -> tuple[L.Trainer, CuboidStrategy]:

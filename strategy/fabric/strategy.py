@@ -62,15 +62,9 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             sequence after each forward, so the loop's loss is unchanged.
         expert_parallel: Ranks each mixture-of-experts layer's experts are split over, within ``dp_shard``.
         load_balancing: An MoE's load-balancing loss over the whole step (``"global"``) or each rank's batch.
-        weights_init: How a model built on the meta device gets its first values: ``"rank0"``, rank 0 runs the
-            model's own init piece by piece and sends each rank its slice (the values of one process's init, on any
-            layout); ``"local"``, each rank initializes its own shards on its device with DTensor's random streams
-            (the same distribution, not the same values; nothing sent); ``"auto"``: ``"local"`` on GPUs,
-            ``"rank0"`` on CPU and under ``cpu_offload``. Nothing is initialized that a checkpoint about to be
-            loaded fills.
         pipeline_parallel: Must be 1: a Fabric loop has no step for a pipeline schedule to replay (use the Trainer).
         tensor_parallel_plan, block_container, activation_checkpointing, reshard_after_forward, cpu_offload,
-            compile, checkpoint_format, process_group_backend, timeout: as the Trainer's strategy.
+            compile, checkpoint_format, process_group_backend, timeout, weights_init: as the Trainer's strategy.
         pretrained: Weights to load per shard, keyed by a module name relative to the module given to
             ``fabric.setup`` (``""`` = all of it), valued by a transformers directory or safetensors file.
     """

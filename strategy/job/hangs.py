@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -223,7 +224,7 @@ def _write_dump(dump_dir: Path | None, rank: int) -> Path | None:
         path = dump_dir / f"{_DUMP_PREFIX}{rank}"
         path.write_bytes(compat.flight_recorder_dump("fr") or b"")
         nccl = compat.flight_recorder_dump("nccl")  # NCCL's own recorder (CUDA builds), beside the generic one
-        if nccl is not None and any(e["ring"] == "nccl" for e in compat.flight_recorder_entries()):
+        if nccl is not None and pickle.loads(nccl).get("entries"):
             (dump_dir / f"{_NCCL_DUMP_PREFIX}{rank}").write_bytes(nccl)
         return path
     except Exception as err:  # noqa: BLE001  (a report must not fail on a full disk)

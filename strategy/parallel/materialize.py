@@ -45,10 +45,14 @@ def _has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has (a tied tensor once per name)."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
 def meta_names(module: nn.Module) -> set[str]:
     """Names of the parameters and buffers (non-persistent ones included) that are on the meta device."""
-    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    return {name for name, tensor in tensors if tensor.is_meta}
+    return {name for name, tensor in _named_tensors(module) if tensor.is_meta}
 
 
 def to_device_except_parameters(module: nn.Module, device: torch.device) -> None:
@@ -113,8 +117,7 @@ def keep_for_stages(module: nn.Module, skip: set[str] = frozenset()) -> dict[str
     keeps its values; the other ranks keep meta stand-ins (shape and dtype), so their copies are freed as sharding
     replaces them."""
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    tensors = {**dict(module.named_parameters(remove_duplicate=False)),
-               **dict(module.named_buffers(remove_duplicate=False))}  # fmt: skip
+    tensors = dict(_named_tensors(module))
     kept = {}
     for first, names in _alias_groups(module).items():
         tensor = tensors[first]
@@ -132,10 +135,7 @@ def send_kept(
     rank copying its slice). Returns how many tensors went out."""
     if not kept or not dist.is_initialized() or dist.get_world_size() == 1:
         return 0
-    current = {
-        **dict(root.named_parameters(remove_duplicate=False)),
-        **dict(root.named_buffers(remove_duplicate=False)),
-    }
+    current = dict(_named_tensors(root))
     items = [(value, _unique([current[n] for n in names if n in current])) for value, names in kept.values()]
     delivery = Delivery(mesh, device)
     delivery.plan([bool(targets) for _, targets in items])
@@ -166,8 +166,7 @@ def meta_twins(root: nn.Module) -> dict[str, nn.Module]:
 def _alias_groups(module: nn.Module, prefix: str = "") -> dict[str, list[str]]:
     """Each tensor's first name -> all its names (a tied weight has several), parameters and buffers."""
     groups: dict[int, list[str]] = {}
-    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    for name, tensor in tensors:
+    for name, tensor in _named_tensors(module):
         groups.setdefault(id(tensor), []).append(prefix + name)
     return {names[0]: names for names in groups.values()}
 
@@ -226,10 +225,7 @@ def materialize_streamed(
     """
     materialize_meta(root, device, param_device)
     is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    current = {
-        **dict(root.named_parameters(remove_duplicate=False)),
-        **dict(root.named_buffers(remove_duplicate=False)),
-    }
+    current = dict(_named_tensors(root))
     pieces = []  # (twin, prefix, piece, recurse, [(first name, meta tensor, this rank's targets)])
     for twin_name, twin in twins.items():
         prefix = f"{twin_name}."
@@ -286,10 +282,7 @@ def init_in_place(
     values (set aside before, put back after); a tensor the init leaves unset stops every rank with its name.
     """
     materialize_meta(root, device, param_device)
-    tensors = {
-        **dict(root.named_parameters(remove_duplicate=False)),
-        **dict(root.named_buffers(remove_duplicate=False)),
-    }
+    tensors = dict(_named_tensors(root))
     todo = {name for name in on_meta - skip if name in tensors}  # under pp: this rank's stages only
     if not todo:
         return 0
@@ -334,7 +327,7 @@ def _piece_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """The (first name, meta tensor) pairs a piece owns: tensors whose first name lies in it."""
     by_id: dict[int, str] = {}
-    for n, t in [*twin.named_parameters(remove_duplicate=False), *twin.named_buffers(remove_duplicate=False)]:
+    for n, t in _named_tensors(twin):
         by_id.setdefault(id(t), n)
     tensors = [*piece.parameters(recurse=recurse), *piece.buffers(recurse=recurse)]
     out, seen = [], set()
@@ -363,8 +356,7 @@ def _init_piece(
     _forget_init_flags(twin)
     init_module(twin)
     init_adapters(twin)  # PEFT's LoRA layers: their own init after the base model's (B zero)
-    tensors = [*twin.named_parameters(remove_duplicate=False), *twin.named_buffers(remove_duplicate=False)]
-    state = {prefix + n: t for n, t in tensors}
+    state = {prefix + n: t for n, t in _named_tensors(twin)}
     return {n: state[n] for n in names}
 
 
