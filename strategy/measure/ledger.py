@@ -7,7 +7,8 @@ Cuboid's own gloo group is ``cuboid_host``), its kind and its tensors' sizes and
 full tensor: the gathered output of an all-gather, the input of a reduce-scatter, all-reduce or send/recv (so a
 ring moves about ``(n - 1) / n`` of them per rank). On logging steps rank 0 logs ``comm/<dim>/<kind>_MB`` and
 ``comm/<dim>/<kind>_count`` to the Trainer's loggers (W&B in the main job). ``CommLedger.steps`` keeps every
-step's table, and ``CommLedger.setup_table`` the collectives before the first step (the build, a checkpoint's load).
+step's table, and ``CommLedger.setup_table`` the collectives before the first step (the build, a checkpoint's load);
+``CommLedger(per_step=False)`` keeps only the set-up's table and costs nothing per step.
 
 Cost: reading the recorder copies its ring (up to ``flight_recorder`` entries) once per optimizer step, on the
 host; nothing touches the device. Meant for runs that look at communication, not for every production step.
@@ -102,10 +103,12 @@ def entries_after(entries: list[dict[str, Any]], cursors: dict[str, int]) -> lis
 
 class CommLedger(L.Callback):
     """Records every optimizer step's collectives (see the module docstring). ``log``: send them to the loggers on
-    logging steps (rank 0)."""
+    logging steps (rank 0). ``per_step=False``: record only the set-up's collectives (``setup_table``), with no work
+    in the steps (no recorder read, no dispatch mode under pp on gloo)."""
 
-    def __init__(self, log: bool = True) -> None:
+    def __init__(self, log: bool = True, per_step: bool = True) -> None:
         self.log = log
+        self.per_step = per_step
         self.steps: list[dict[str, dict[str, list[int]]]] = []
         # Everything before the first step, in one table of the same shape: the build (the weights rank 0 sends,
         # under pp over groups named cuboid_weights_stage<s>), a checkpoint's load (as far as the recorder's ring
@@ -136,7 +139,7 @@ class CommLedger(L.Callback):
         experts = getattr(trainer.strategy, "experts_layout", None)
         self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
         self.setup_table = _tally(entries_after(entries, self._setup_from), self._groups)
-        if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
+        if self.per_step and mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
 
             if dist.get_backend(mesh["pp"].get_group()) == "gloo":
@@ -160,7 +163,7 @@ class CommLedger(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._exit_p2p()
-        if compat.should_accumulate(trainer):
+        if not self.per_step or compat.should_accumulate(trainer):
             return
         entries = entries_after(compat.flight_recorder_entries(), self._last)
         self._last = {**self._last, **newest_records(entries)}

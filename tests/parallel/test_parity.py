@@ -183,6 +183,7 @@ def test_a_pipelined_build_sends_each_stage_its_own_weights_and_no_other(name: s
     built = "initialized" if RUNS[name].meta_init else "sent"
     for facts in results[name]["ranks"]:
         table, stage = facts["setup_comm"], facts["pp_rank"]
+        assert facts["ledger_steps"] == 0, facts["ledger_steps"]  # CommLedger(per_step=False): the set-up only
         groups = {dim: kinds for dim, kinds in table.items() if dim.startswith("cuboid_weights_stage")}
         own = f"cuboid_weights_stage{stage}"
         assert set(groups) == ({own, "cuboid_weights_stage1"} if facts["rank"] == 0 else {own}), (facts["rank"], table)

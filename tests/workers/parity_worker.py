@@ -295,7 +295,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("ledger"):  # the set-up's collectives: who received which weights
         from cuboid.measure import CommLedger
 
-        ledger = CommLedger(log=False)
+        ledger = CommLedger(log=False, per_step=False)
         callbacks.append(ledger)
     logger: object = False
     if spec.get("log_every"):  # CuboidMonitor's figures, logged every N steps to a CSV file
@@ -378,6 +378,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "weights_made": dict(strategy.weights_made),
         "loss_parallel": strategy.loss_parallel.enabled,
         "setup_comm": ledger.setup_table if ledger is not None else None,
+        "ledger_steps": len(ledger.steps) if ledger is not None else None,  # per_step=False: none
         "init_stats": init_stats.stats if init_stats is not None else None,
         "pp_rank": strategy.device_mesh["pp"].get_local_rank(),
         # full bytes of the distinct parameters and buffers this rank holds (what its stage's weights weigh)
