@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cuboid import compat
+from cuboid.compat import attention as compat_attention
 
 
 class _Recorder(L.LightningModule):
@@ -349,6 +350,7 @@ os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from cuboid import compat
+from cuboid.compat import attention as compat_attention
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(sys.argv[2], 2),
                         timeout=timedelta(seconds=7))
@@ -509,3 +511,69 @@ def test_dtensor_rng_tracker_is_the_one_dtensors_dispatcher_reads_and_makes() ->
         assert _random._rng_tracker is None
     finally:
         dist.destroy_process_group()
+
+
+def test_attention_kernels_return_the_rows_log_sum_exp_and_take_it_back() -> None:
+    """The aten ops ``cuboid.context.blocks`` calls (through ``compat.lse_attention``): their schemas as written
+    there (the CUDA ones cannot run here: their argument order is what this pins), and on CPU the values: the
+    output is ``scaled_dot_product_attention``'s (grouped-query heads as they come, causal with a broadcast
+    ``(batch, 1, 1, keys)`` additive mask), the log-sum-exp is that of the scaled scores, and the backward given
+    the output and log-sum-exp gives autograd's gradients."""
+    schemas = compat_attention.op_schemas()
+    assert (
+        "Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)"
+        in (schemas["aten::_scaled_dot_product_flash_attention_for_cpu"])
+    )
+    assert schemas["aten::_scaled_dot_product_flash_attention"].startswith(
+        "aten::_scaled_dot_product_flash_attention(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
+        "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor output, Tensor "
+        "logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor rng_state, Tensor unused,"
+    )
+    flash_backward = (
+        "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor cum_seq_q, "
+        "Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, Tensor philox_seed, Tensor "
+        "philox_offset, *, float? scale=None)"
+    )
+    assert flash_backward in schemas["aten::_scaled_dot_product_flash_attention_backward"]
+    cpu_backward = (
+        "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, float dropout_p, "
+        "bool is_causal, *, Tensor? attn_mask=None, float? scale=None)"
+    )
+    assert cpu_backward in schemas["aten::_scaled_dot_product_flash_attention_for_cpu_backward"]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 8, 16, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    real = torch.ones(2, 8, dtype=torch.bool)
+    real[1, 5:] = False
+    bias = torch.zeros(2, 1, 1, 8, dtype=torch.float64).masked_fill(~real[:, None, None, :], float("-inf"))
+    assert compat.lse_kernel(q, masked=True) == "cpu_flash" and compat.lse_kernel(q, True, dropout_p=0.1) is None
+    out, lse, saved = compat.lse_attention("cpu_flash", q, k, v, True, bias, None)
+    mask = real[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0
+    assert torch.allclose(out, want, atol=1e-12)
+    assert torch.allclose(lse, scores.masked_fill(~mask, float("-inf")).logsumexp(-1), atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = compat.lse_attention_backward("cpu_flash", grad, q, k, v, out, lse, True, bias, None, saved)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want_grads, strict=True))
+
+
+def test_single_tensor_collectives_take_the_names_this_torch_does_not_deprecate() -> None:
+    """torch 2.13 warns (FutureWarning) on ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` and names them
+    ``*_single``; torch 2.11 has only the old names. ``compat`` calls whichever this torch has, without a warning."""
+    group = dist.new_group([0], backend="gloo") if dist.is_initialized() else None
+    if group is None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = torch.empty(3)
+            compat.all_gather_single(out, torch.arange(3.0), group=group)
+            mine = torch.empty(3)
+            compat.reduce_scatter_single(mine, out, group=group)
+    finally:
+        if group is None:
+            dist.destroy_process_group()
+    assert mine.tolist() == [0.0, 1.0, 2.0]
+    assert hasattr(dist, "all_gather_single") == (torch.__version__ >= "2.13")

@@ -3,7 +3,8 @@
     python scripts/bench/gpu.py env                                    # torch, CUDA, cuDNN, the device, versions
     python scripts/bench/gpu.py sync_audit --model 1b --seq 2048       # host syncs in quiet steps, with their stacks
     python scripts/bench/gpu.py throughput --model 1b --seq 2048 --batch 4 [--compile] [--ac selective]
-    python scripts/bench/gpu.py attention --seq 8192 --cp 4            # the kernel SDPA picks for cp's shapes
+    python scripts/bench/gpu.py attention --seq 8192 --cp 4            # the kernel SDPA picks for cp's shapes,
+                                                                       # and cp's block attention against it
     python scripts/bench/gpu.py weights --model 8b --init local        # making a meta-built model's weights
     python scripts/bench/gpu.py resume --model 150m [--async-save]     # save at an epoch end, resume, compare
     python scripts/bench/gpu.py offload --model 150m                   # cpu_offload + meta init + clipping
@@ -345,7 +346,63 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         rows.append({"mask": masked, "gqa": gqa, "q_tokens": chunk, "keys": keys, "kernel": kernel,
                      "ms": round((time.perf_counter() - start) / n * 1000, 3)})  # fmt: skip
-    return {"check": "attention", "seq": args.seq, "cp": args.cp, "dtype": str(dtype), "rows": rows, "ok": True}
+    blocks = block_attention_row(device, dtype, heads, kv_heads, dim, chunk)
+    rows.append(blocks)
+    return {"check": "attention", "seq": args.seq, "cp": args.cp, "dtype": str(dtype), "rows": rows,
+            "ok": blocks["ok"]}  # fmt: skip
+
+
+def block_attention_row(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, tokens: int
+) -> dict[str, Any]:
+    """Cuboid's block attention (``cuboid.context.blocks``) on a one-rank cp group, so its two query chunks are
+    two blocks merged by their log-sum-exp, against causal ``scaled_dot_product_attention`` over the same tokens:
+    the kernel it runs, the largest relative difference of the output and gradients (bf16: within 2e-2), and both
+    timings."""
+    import os
+
+    import torch.distributed as dist
+
+    from cuboid import compat
+    from cuboid.context.attention import cp_attention
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29591")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g)
+
+    def full() -> list[torch.Tensor]:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    def mine() -> list[torch.Tensor]:
+        out = cp_attention(q, k, v, dist.group.WORLD, tokens, is_causal=True, enable_gqa=True)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    want, got = full(), mine()
+    worst = max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want, strict=True)
+    )
+    times = {}
+    for name, fn in (("sdpa_ms", full), ("blocks_ms", mine)):
+        for _ in range(2):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times[name] = round((time.perf_counter() - start) / 5 * 1000, 3)
+    kernel = compat.lse_kernel(q, masked=False) or "masked fallback"
+    return {"blocks": True, "kernel": kernel, "q_tokens": tokens, "max_rel_diff": worst, **times,
+            "ok": worst <= (2e-2 if dtype != torch.float32 else 1e-5)}  # fmt: skip
 
 
 def weights(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The one door to other libraries' internals.
 
 Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
-or touched here (this package: torch.distributed's in ``compat/distributed.py``, re-exported below), and nowhere
+or touched here (this package: torch.distributed's in ``compat/distributed.py``, the attention kernels that return
+their log-sum-exp in ``compat/attention.py``, both re-exported below), and nowhere
 else, each with what it is for and why no public API serves. Checked on:
 lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
 ``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
@@ -290,9 +291,13 @@ def layer_sync(strategy: Any) -> Any:
     return getattr(strategy, "_layer_sync", None)
 
 
+# --- attention kernels with their log-sum-exp: cuboid/compat/attention.py ---------------------------------------
+from cuboid.compat.attention import lse_attention, lse_attention_backward, lse_kernel  # noqa: E402, F401
+
 # --- torch.distributed: cuboid/compat/distributed.py -------------------------------------------------------------
 from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distributed half of this door)
     PointToPointCounter,
+    all_gather_single,
     default_process_group_backend,
     default_store,
     distributed_is_initialized,
@@ -300,6 +305,7 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     flight_recorder_dump,
     flight_recorder_entries,
     init_fake_process_group,
+    reduce_scatter_single,
     set_group_timeout,
     start_dtensor_rng,
     unflatten_mesh,

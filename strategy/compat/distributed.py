@@ -135,3 +135,18 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def all_gather_single(output: Any, local: Any, group: Any = None) -> None:
+    """Every rank's ``local`` into ``output`` (``world x local`` along dim 0), one collective: torch 2.13 names it
+    ``all_gather_single`` and warns (FutureWarning) on the older ``all_gather_into_tensor``, which torch 2.11 alone
+    has."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
+def reduce_scatter_single(output: Any, stacked: Any, group: Any = None) -> None:
+    """The sum over ranks of ``stacked``'s rank-th slice (dim 0) into ``output``: ``reduce_scatter_single`` in
+    torch 2.13, ``reduce_scatter_tensor`` (deprecated there) in torch 2.11."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, stacked, group=group)

@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cuboid import compat
+from cuboid.context.blocks import block_attention
+
 
 class ContextParallelError(ValueError):
     """A sequence or attention call that cannot be split over context-parallel ranks; the message says the fix."""
@@ -80,7 +83,7 @@ class _GatherSequence(torch.autograd.Function):
         shape[ctx.dim : ctx.dim + 1] = [cp, shape[ctx.dim] // cp]
         stacked = grad.reshape(shape).movedim(ctx.dim, 0).contiguous()  # (cp, ..., local tokens, ...)
         mine = stacked.new_empty(stacked.shape[1:])
-        dist.reduce_scatter_tensor(mine, stacked.flatten(0, 1), group=ctx.group)
+        compat.reduce_scatter_single(mine, stacked.flatten(0, 1), group=ctx.group)
         return mine, None, None
 
 
@@ -88,7 +91,7 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``(cp, *local.shape)``: every rank's ``local`` in cp rank order, by one ``all_gather_into_tensor``."""
     cp = dist.get_world_size(group)
     out = local.new_empty((cp * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    compat.all_gather_single(out, local.contiguous(), group=group)
     return out.view(cp, *local.shape)
 
 
@@ -151,8 +154,17 @@ def cp_attention(
     sequence of ``seq_len`` tokens (``key``/``value`` may have fewer heads with ``enable_gqa``). The mask is
     causal on global positions (or none), and with ``key_padding`` (``(batch, seq_len)``, true where a token is
     real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too.
+
+    Where the device has a kernel that returns its log-sum-exp (CPU; CUDA in bf16/fp16 without padding) and there
+    is no dropout, this runs by blocks (:mod:`cuboid.context.blocks`: no ``Lq x S`` mask, half the causal work);
+    elsewhere by one masked call.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kernel = compat.lse_kernel(query, masked=key_padding is not None, dropout_p=dropout_p)
+    if kernel is not None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
+        return block_attention(query, key, value, group, chunk_ids(rank, cp), is_causal, scale, kernel, key_padding)
+    # One masked call over the gathered keys: dropout, or a device and dtype without a kernel that returns its
+    # log-sum-exp (CUDA in float32, or with padding).
     keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
     mask = None
     k_pos = _gathered_positions(seq_len, cp, query.device)

@@ -72,7 +72,8 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
     if setup.cp > 1:  # each block's K and V (the model's own KV heads, tp-local), gathered whole over cp
         micro = setup.batch / setup.m
         kv = micro * setup.seq * shape.kv_dim / setup.tp * c
-        gathers = 2 * blocks * (2 if setup.ac == "full" else 1)  # again in a full recompute
+        # in forward, again in backward (only this rank's K and V are kept), and in a full recompute
+        gathers = 2 * blocks * (3 if setup.ac == "full" else 2)
         losses = micro * setup.seq * 4 if n_stages - 1 in stages else 0  # the per-token losses (float32), last stage
         cp = out.setdefault("cp", {})  # (FSDP's too when cp is the whole world: see _fsdp_dim)
         cp["all_gather"] = cp.get("all_gather", 0.0) + (gathers * kv + losses) * setup.m

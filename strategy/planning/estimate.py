@@ -282,10 +282,10 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     if s.async_tp:
         tp *= 0.5
     # Context parallel: per block and micro-batch, keys and values (2 b s kv / tp, gathered size) all-gathered in
-    # forward (and in the recompute under full checkpointing), their gradients reduce-scattered in backward.
+    # forward, again in backward (and in the recompute under full checkpointing), their gradients reduce-scattered.
     bw_c, alpha_c = _link(hw, s.tp * s.cp)
     kv = _ring(s.cp, 2 * tokens_dp / s.m * shape.kv_dim / s.tp * compute_b, bw_c, alpha_c)
-    cp = kv * blocks * s.m * (3 if s.ac == "full" else 2) if s.cp > 1 else 0.0
+    cp = kv * blocks * s.m * (4 if s.ac == "full" else 3) if s.cp > 1 else 0.0
     bubble = p2p = 0.0
     if s.pp > 1:
         bubble = (compute + tp) * (s.pp - 1) / s.virtual_stages / s.m

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from cuboid import compat
+
 Mode = Literal["raise", "skip"]
 
 
@@ -44,7 +46,7 @@ class NonFiniteGuard:
             flags[1] = (~torch.isfinite(grad_norm.detach().float().to(device))).float()
         if dist.is_initialized():
             gathered = torch.empty(dist.get_world_size() * 2, device=device)
-            dist.all_gather_into_tensor(gathered, flags)
+            compat.all_gather_single(gathered, flags)
         else:
             gathered = flags
         per_rank = gathered.view(-1, 2).tolist()  # the one host read of the step

@@ -1,7 +1,9 @@
 """Context-parallel attention against full attention on random inputs, on every cp rank (a torchrun worker).
 
 Writes, from rank 0, the largest relative differences of the output and of the query, key and value gradients
-(each rank's share compared with the same tokens of full attention on one rank) to ``sys.argv[1]``.
+(each rank's share compared with the same tokens of full attention on one rank), and every tensor shape the cp
+calls made that holds both a query length (this rank's tokens, or one chunk of them) and the whole sequence's
+(an ``Lq x S`` mask or score matrix; the block path makes none), to ``sys.argv[1]``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cuboid.context.attention import cp_attention, local_positions, shard_sequence
 from cuboid.job.launch import close_process_groups
@@ -21,30 +24,70 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+class Shapes(TorchDispatchMode):
+    """Every output shape holding a query length and the whole sequence's ``seq`` (a dimension of each)."""
+
+    def __init__(self, seq: int, rows: set[int]) -> None:
+        super().__init__()
+        self.seq, self.rows = seq, rows
+        self.found: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and self.seq in t.shape and self.rows & set(t.shape):
+                self.found.append((str(func), tuple(t.shape)))
+        return out
+
+
+def padding(seq: int, side: str | None) -> torch.Tensor | None:
+    """``(2, seq)``, true where a token is real: two samples padded on ``side`` to different lengths."""
+    if side is None:
+        return None
+    real = torch.ones(2, seq, dtype=torch.bool)
+    for row, length in enumerate((seq - seq // 3, seq // 4)):
+        real[row, length:] = False
+    return real if side == "right" else real.flip(1)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     worst: dict[str, float] = {}
-    for heads, kv_heads, seq, causal in ((4, 4, 64, True), (4, 2, 128, True), (2, 1, 64, False)):
+    big: list = []
+    cases = ((4, 4, 96, True, None), (4, 2, 192, True, None), (2, 1, 96, False, None), (4, 2, 96, True, "right"),
+             (4, 2, 96, True, "left"), (2, 1, 96, False, "left"))  # fmt: skip
+    for heads, kv_heads, seq, causal, side in cases:
         g = torch.Generator().manual_seed(seq + heads)
         q = torch.randn(2, heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         k = torch.randn(2, kv_heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         v = torch.randn(2, kv_heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         grad_out = torch.randn(2, heads, seq, 16, generator=g)
-        full = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
+        real = padding(seq, side)
+        mask = None
+        if real is not None:
+            mask = real[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+        full = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=kv_heads != heads
+        )
         full.backward(grad_out)
         mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        out = cp_attention(*mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads)
-        out.backward(shard_sequence(grad_out, rank, cp, dim=2))
+        with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes:
+            out = cp_attention(
+                *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real
+            )
+            out.backward(shard_sequence(grad_out, rank, cp, dim=2))
+        big += shapes.found
         index = local_positions(seq, rank, cp)
         pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
                  "dv": (mine[2].grad, v.grad)}  # fmt: skip
         for name, (got, want) in pairs.items():
             worst[name] = max(worst.get(name, 0.0), rel(got, want.index_select(2, index)))
     everyone = [None] * cp
-    dist.all_gather_object(everyone, worst)
+    dist.all_gather_object(everyone, {**worst, "big": big})
     if rank == 0:
-        merged = {name: max(w[name] for w in everyone) for name in worst}
+        merged = {name: max(w[name] for w in everyone) for name in worst if name != "big"}
+        merged["big"] = [found for w in everyone for found in w["big"]]
         with open(sys.argv[1], "w") as f:
             json.dump(merged, f)
     close_process_groups()  # destroyed, and no gloo thread still at work when the interpreter finalizes

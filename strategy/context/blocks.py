@@ -1,0 +1,189 @@
+"""Context parallel's attention by blocks: no ``Lq x S`` mask, and only the causal half of the work.
+
+cp rank ``r`` holds query chunks ``r`` and ``2 cp - 1 - r`` (each ``c = S / 2 cp`` tokens). Under a causal mask a
+query chunk ``g`` sees the keys of chunks ``0 .. g - 1`` whole and its own chunk ``g`` up to the diagonal, so
+each query chunk is two kernel calls: one over the keys ``[0, g c)`` with no mask, one over ``[g c, (g + 1) c)``
+with ``is_causal``. Their outputs are merged by their log-sum-exp (``out = sum_i exp(lse_i - lse) out_i``,
+``lse = logaddexp(lse_i)``), which is exact. The backward runs each block's kernel backward with the merged
+output and log-sum-exp (FlashAttention's own backward, block by block) and sums the gradients.
+
+Keys and values arrive from one all-gather of the model's own key/value heads (both in one collective; a
+grouped-query model's are not repeated) and are laid out in global order, so each block is a slice. Only this
+rank's keys and values are kept for backward, which gathers them again: the whole sequence's keys and values live
+while one layer's attention runs, not from its forward to its backward (saved activations fall as 1/cp; the
+price is a second all-gather per layer). Their gradients go back to the ranks that hold them with one
+reduce-scatter.
+
+Padding (a ``(batch, S)`` ``attention_mask``): an additive ``(batch, 1, 1, keys)`` mask broadcast over heads and
+queries, sliced per block: ``batch x S`` values, never ``Lq x S``. A row whose keys in a block are all padding
+(left padding, or a padding query) gets a log-sum-exp of ``-inf`` there, so the merge gives it no weight; a row
+with no real key at all comes out as zeros, as ``scaled_dot_product_attention`` gives it. Right padding, the usual
+one for training, needs no mask for the real tokens at all: causal attention never reaches a later padding key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cuboid import compat
+
+Block = tuple[int, int, bool]  # (first key, end key, causal)
+
+
+def _chunk_order(cp: int) -> list[tuple[int, int]]:
+    """``(rank, half)`` of each global chunk ``0 .. 2 cp - 1``: rank ``r`` holds chunk ``r`` first and
+    ``2 cp - 1 - r`` second."""
+    return [(g, 0) for g in range(cp)] + [(2 * cp - 1 - g, 1) for g in range(cp, 2 * cp)]
+
+
+def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Every cp rank's keys and values (``(batch, kv heads, 2 c, dim)`` each) as the whole sequence in global
+    order: one all-gather of both, one copy."""
+    cp = dist.get_world_size(group)
+    local = torch.stack([key, value])  # (2, batch, heads, 2c, dim)
+    stacked = local.new_empty((cp * 2, *local.shape[1:]))
+    compat.all_gather_single(stacked, local, group=group)
+    stacked = stacked.view(cp, *local.shape)
+    c = local.shape[3] // 2
+    pieces = [stacked[rank, :, :, :, half * c : (half + 1) * c] for rank, half in _chunk_order(cp)]
+    whole = torch.cat(pieces, dim=3)
+    return whole[0], whole[1]
+
+
+def _scatter_kv(dk: torch.Tensor, dv: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """The whole sequence's key and value gradients summed over cp ranks, each rank getting its own two chunks':
+    one reduce-scatter of both."""
+    cp = dist.get_world_size(group)
+    batch, heads, seq_len, dim = dk.shape
+    c = seq_len // (2 * cp)
+    stacked = dk.new_empty((cp, 2, batch, heads, 2 * c, dim))
+    for g, (rank, half) in enumerate(_chunk_order(cp)):
+        stacked[rank, 0, :, :, half * c : (half + 1) * c] = dk[:, :, g * c : (g + 1) * c]
+        stacked[rank, 1, :, :, half * c : (half + 1) * c] = dv[:, :, g * c : (g + 1) * c]
+    mine = dk.new_empty((2, batch, heads, 2 * c, dim))
+    compat.reduce_scatter_single(mine, stacked.flatten(0, 1), group=group)
+    return mine[0], mine[1]
+
+
+def plan_blocks(chunks: tuple[int, int], chunk: int, seq_len: int, is_causal: bool) -> list[list[Block]]:
+    """For each of this rank's two query chunks, the key blocks it attends to."""
+    if not is_causal:
+        return [[(0, seq_len, False)] for _ in chunks]
+    return [([(0, g * chunk, False)] if g else []) + [(g * chunk, (g + 1) * chunk, True)] for g in chunks]
+
+
+def _dead(real: torch.Tensor, block: Block) -> torch.Tensor:
+    """Rows with no real key in ``block``: ``(batch, 1, 1)`` for a whole block, ``(batch, 1, rows)`` for a causal
+    one (row ``j`` sees the block's keys ``0 .. j``)."""
+    start, end, causal = block
+    keys = real[:, start:end]
+    if causal:
+        return (keys.cumsum(-1) == 0)[:, None, :]
+    return ~keys.any(-1)[:, None, None]
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same rows over disjoint keys -> their attention over the union (a row with
+    no key in either stays zero)."""
+    wide = torch.promote_types(block_out.dtype, torch.float32)
+    if out is None or lse is None:
+        return block_out.to(wide), block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    safe = merged.masked_fill(merged == float("-inf"), 0.0)
+    return (
+        out * torch.exp(lse - safe).unsqueeze(-1).to(wide)
+        + block_out.to(wide) * torch.exp(block_lse - safe).unsqueeze(-1).to(wide),
+        merged,
+    )
+
+
+class _Blocks(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        group: dist.ProcessGroup,
+        plan: list[list[Block]],
+        scale: float | None,
+        kernel: str,
+        bias: torch.Tensor | None,
+        real: torch.Tensor | None,
+    ) -> torch.Tensor:
+        keys, values = _gather_kv(key, value, group)
+        chunk = query.shape[2] // len(plan)
+        outs, lses, saved = [], [], []
+        for half, blocks in enumerate(plan):
+            rows = query[:, :, half * chunk : (half + 1) * chunk]
+            out = lse = None
+            for block in blocks:
+                start, end, causal = block
+                mask = bias[..., start:end] if bias is not None else None
+                block_out, block_lse, extra = compat.lse_attention(
+                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, mask, scale
+                )
+                if real is not None:
+                    block_lse = block_lse.masked_fill(_dead(real, block), float("-inf"))
+                out, lse = _merge(out, lse, block_out, block_lse)
+                saved.append(extra)
+            assert out is not None and lse is not None
+            outs.append(out.to(query.dtype))
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(query, key, value, out, lse, bias)  # this rank's K and V only: gathered again
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved = group, plan, scale, kernel, saved
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse, bias = ctx.saved_tensors
+        keys, values = _gather_kv(key, value, ctx.group)
+        chunk = query.shape[2] // len(ctx.plan)
+        # A row with no real key: its output is a constant zero; +inf makes each block's probabilities 0 there.
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(keys), torch.zeros_like(values)
+        extras = iter(ctx.saved)
+        for half, blocks in enumerate(ctx.plan):
+            rows = slice(half * chunk, (half + 1) * chunk)
+            q, g, o, row_lse = query[:, :, rows], grad[:, :, rows].contiguous(), out[:, :, rows], lse[:, :, rows]
+            for start, end, causal in blocks:
+                mask = bias[..., start:end] if bias is not None else None
+                dq_b, dk_b, dv_b = compat.lse_attention_backward(
+                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal, mask,
+                    ctx.scale, next(extras),
+                )  # fmt: skip
+                dq[:, :, rows] += dq_b
+                dk[:, :, start:end] += dk_b
+                dv[:, :, start:end] += dv_b
+        dk, dv = _scatter_kv(dk, dv, ctx.group)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: dist.ProcessGroup,
+    chunks: tuple[int, int],
+    is_causal: bool,
+    scale: float | None,
+    kernel: str,
+    key_padding: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's queries (chunks ``chunks``) over every rank's keys and values, block by block (see the module
+    docstring). ``key_padding``: ``(batch, S)``, true where a token is real, in global order."""
+    chunk = query.shape[2] // 2
+    seq_len = chunk * 2 * dist.get_world_size(group)
+    bias = real = None
+    if key_padding is not None:
+        real = key_padding.to(query.device, torch.bool)
+        bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device).masked_fill(~real, float("-inf"))
+        bias = bias[:, None, None, :]
+    plan = plan_blocks(chunks, chunk, seq_len, is_causal)
+    return _Blocks.apply(query, key, value, group, plan, scale, kernel, bias, real)
