@@ -323,7 +323,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         batch, batch_idx = batch_and_index(args, kwargs)
         lm = self.lightning_module
         self.buffers.sync()
-        with self.context.step(), self.load_balancing.step():
+        with self.context.step(), self.load_balancing.step(), self.loss_parallel.step(lm, log=False):
             return self.pipelining.training_step(lm, batch, batch_idx, self.precision_plugin, self.root_device)
 
     @override
@@ -350,7 +350,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
         self.buffers.sync()
-        with self.context.step(), self.load_balancing.step():
+        with self.context.step(), self.load_balancing.step(), self.loss_parallel.step(lm, log=False):
             return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
 
     @override

@@ -273,14 +273,12 @@ def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str
 def with_loss_parallel(
     matched: dict[str, tuple[Any, str]], pp: int, cp: int = 1
 ) -> tuple[dict[str, tuple[Any, str]], bool]:
-    """The plan to apply and whether loss parallel is on: under pp > 1, ``"loss_parallel"`` entries become
-    ``"output"`` (the schedule's loss function on the last stage runs outside the strategy's step context). Under
-    cp > 1 it stays on: context parallel's loss takes each token's loss from the vocabulary-sharded logits
-    (``reduction="none"`` under ``loss_parallel()``), then gathers the tokens' losses over the sequence shards."""
+    """The plan to apply and whether loss parallel is on: whenever the plan asks for it. Under pp > 1 the
+    schedule (the last stage's loss function and backward) runs inside the strategy's loss-parallel context. Under
+    cp > 1 context parallel's loss takes each token's loss from the vocabulary-sharded logits (``reduction="none"``
+    under ``loss_parallel()``), then gathers the tokens' losses over the sequence shards."""
     uses = any(style == "loss_parallel" for _, style in matched.values())
-    if not uses or pp == 1:
-        return matched, uses
-    return without_loss_parallel(matched), False
+    return matched, uses
 
 
 def without_loss_parallel(matched: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cuboid.compat import set_metric_update_count
+from cuboid.step.loss_parallel import plain
 
 try:
     from torchmetrics import Metric
@@ -45,6 +46,7 @@ class LogRecorder:
         self._device = getattr(lm, "device", None)
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        value = plain(value)  # a DTensor (loss parallel's sharded logits' statistics) as a plain tensor
         if Metric is not None and isinstance(value, Metric):
             path = next((n for n, m in self._lm.named_modules() if m is value), None)
             if path is None:

@@ -62,9 +62,8 @@ def expected(shape: Any, setup: Any, pp_rank: int = 0, backend: str = "nccl") ->
         per = 4 * blocks + (2 * blocks if setup.ac == "full" else 0) + ends
         norms = (2 * blocks + last) * shape.dim * c
         tokens = setup.batch / setup.m * setup.seq / setup.cp  # of one micro-batch, on this cp rank
-        loss = 3 * tokens * 4 if last and setup.pp == 1 else 0
-        logits = tokens * shape.vocab * c if last and setup.pp > 1 else 0
-        out["tp"] = {"all_gather": (per * act + logits) * setup.m, rs: per * act * setup.m}
+        loss = 3 * tokens * 4 if last else 0  # loss parallel's statistics (the logits are never gathered)
+        out["tp"] = {"all_gather": per * act * setup.m, rs: per * act * setup.m}
         if rs == "all_reduce":  # gloo: the reduce-scatters are all-reduces too
             out["tp"]["all_reduce"] += norms + loss * setup.m
         else:

@@ -10,8 +10,9 @@ checkpoint monitors never see a DTensor loss; other DTensor values the step logs
 
 What changes for user code: ``self.model(x)`` returns a DTensor under tensor parallel. Cross-entropy works as is;
 code that mixes logits with plain tensors (an accuracy on ``logits.argmax(-1)``) needs ``logits.full_tensor()``,
-or a plan with ``"output": "output"`` (logits gathered, plain). Under pipeline parallel the output projection
-runs inside the schedule, and its ``"loss_parallel"`` entry is applied as ``"output"``.
+or a plan with ``"output": "output"`` (logits gathered, plain). Under pipeline parallel the last stage's logits
+stay sharded too: the schedule (its loss function on the last stage, and its backward) runs inside the same
+context.
 """
 
 from __future__ import annotations
@@ -51,20 +52,22 @@ class LossParallel:
         self.enabled = False
 
     @contextmanager
-    def step(self, lm: Any) -> Generator[None, None, None]:
-        """Run a step hook under ``loss_parallel()``, its ``self.log``/``self.log_dict`` values made plain."""
+    def step(self, lm: Any, log: bool = True) -> Generator[None, None, None]:
+        """Run a step hook under ``loss_parallel()``, its ``self.log``/``self.log_dict`` values made plain (``log``;
+        under pp the pipeline's own log recorder makes them plain)."""
         if not self.enabled:
             yield
             return
-        log, log_dict = lm.log, lm.log_dict
+        if log:
+            lm_log, lm_log_dict = lm.log, lm.log_dict
 
-        def plain_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            log(name, plain(value), *args, **kwargs)
+            def plain_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+                lm_log(name, plain(value), *args, **kwargs)
 
-        def plain_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
-            log_dict({k: plain(v) for k, v in dictionary.items()}, *args, **kwargs)
+            def plain_log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+                lm_log_dict({k: plain(v) for k, v in dictionary.items()}, *args, **kwargs)
 
-        lm.__dict__["log"], lm.__dict__["log_dict"] = plain_log, plain_log_dict
+            lm.__dict__["log"], lm.__dict__["log_dict"] = plain_log, plain_log_dict
         original = F.cross_entropy
 
         @functools.wraps(original)  # __wrapped__: context parallel's interception finds torch's own function
@@ -78,7 +81,8 @@ class LossParallel:
                 yield
         finally:
             F.cross_entropy = original
-            del lm.__dict__["log"], lm.__dict__["log_dict"]
+            if log:
+                del lm.__dict__["log"], lm.__dict__["log_dict"]
 
     def backward(self) -> AbstractContextManager[None]:
         return loss_parallel() if self.enabled else nullcontext()

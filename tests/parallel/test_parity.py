@@ -170,6 +170,8 @@ def test_loss_and_parameters_match_single_process(name: str, results, references
     PARITY_TABLE[name] = (max(rel), err[worst])
     assert err[worst] <= PARAM_ATOL, f"{name}: {worst} max abs error {err[worst]:.2e}"
     assert abs(got["grad_norm"] - ref.grad_norms[-1]) <= LOSS_RTOL * ref.grad_norms[-1]
+    if "tensor_parallel" in RUNS[name].strategy:  # loss parallel is on, under pp too: logits never gathered over tp
+        assert all(r["loss_parallel"] for r in got["ranks"]), name
 
 
 @pytest.mark.slow
