@@ -14,7 +14,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from cuboid.callbacks import CommLedger, CuboidMonitor
-from cuboid.checkpoint import CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
+from cuboid.checkpoint import CheckpointDamaged, CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
 from cuboid.experts import ExpertParallelError
 from cuboid.fabric import CuboidStrategy as FabricCuboidStrategy
@@ -30,6 +30,7 @@ if FabricCuboidStrategy.strategy_name not in FABRIC_STRATEGIES:  # Fabric(strate
     FabricCuboidStrategy.register_strategies(FABRIC_STRATEGIES)
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointError",
     "CommLedger",
     "ContextParallelError",

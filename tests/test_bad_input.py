@@ -63,6 +63,20 @@ def _trainer(**strategy: object) -> None:
     L.Trainer(accelerator="cpu", devices=2, strategy=CuboidStrategy(**strategy), logger=False)
 
 
+def _damaged_checkpoint() -> None:
+    """A checkpoint whose shard changed after its save wrote its checksum."""
+    import tempfile
+
+    from cuboid.checkpoint.integrity import verify_checkpoint, write_checksums
+
+    root = Path(tempfile.mkdtemp(prefix="cuboid-damaged-")) / "step=5.ckpt"
+    root.mkdir()
+    (root / "__1_0.distcp").write_bytes(b"shard")
+    write_checksums(root)
+    (root / "__1_0.distcp").write_bytes(b"shart")
+    verify_checkpoint(root)
+
+
 def _slurm_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
@@ -372,6 +386,7 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         CheckpointError,
         "does not exist",
     ),
+    "a checkpoint damaged on disk": (_damaged_checkpoint, CheckpointError, r"__1_0.distcp: CRC-32 .*, the save wrote"),
     "a SLURM task count that disagrees with nodes x devices": (
         _slurm_mismatch,
         LayoutError,

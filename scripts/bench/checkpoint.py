@@ -4,7 +4,7 @@
 
 After one training step (so AdamW state exists), each rank times: a sync save, an async save
 (time the training loop is blocked, and time until the write is complete), a load into the same
-layout, and ``torch.save`` (fsynced, as DCP's writer does) / ``torch.load`` of its own local shards
+layout, the checksums' part of a save and of a load (each rank hashing its share of the files), and ``torch.save`` (fsynced, as DCP's writer does) / ``torch.load`` of its own local shards
 (parameters + optimizer state) to one file: the plain-PyTorch floor for writing the same bytes.
 Dirty pages are flushed (``os.sync``) before every timed operation, so one write does not bill
 the next. MB/s are per rank, except for
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
+from cuboid.checkpoint.integrity import verify_checkpoint, write_checksums
 from cuboid.models import CONFIGS, Llama
 
 
@@ -104,6 +105,9 @@ def worker(args: argparse.Namespace) -> None:
     )
     result["async_blocked_s"] = blocked["t"]
     result["load_s"] = timed(lambda: strategy.load_checkpoint(root / "sync.ckpt"))
+    # What the checksums cost inside them (cuboid.checkpoint.integrity: each rank hashes its share of the files)
+    result["checksums_write_s"] = timed(lambda: write_checksums(root / "sync.ckpt"))
+    result["checksums_verify_s"] = timed(lambda: verify_checkpoint(root / "sync.ckpt"))
     strategy.checkpointer.async_save, strategy.checkpointer.format = False, "full"
     result["full_save_s"] = timed(lambda: trainer.save_checkpoint(root / "full.ckpt"))
     result["full_load_s"] = timed(lambda: strategy.load_checkpoint(root / "full.ckpt"))
@@ -129,6 +133,9 @@ def worker(args: argparse.Namespace) -> None:
         )
         for key in keys:
             print(f"{key:22s} {result[key + '_s']:9.2f} {rate[key + '_mb_per_s']:10.0f}")
+        for key, whole in (("checksums_write", "sync_save"), ("checksums_verify", "load")):
+            share = result[key + "_s"] / result[whole + "_s"]
+            print(f"{key:22s} {result[key + '_s']:9.2f} {rate[key + '_mb_per_s']:10.0f}  ({share:.1%} of {whole})")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": vars(args), "seconds": result, "mb_per_s": rate}, indent=1))
         print(f"JSON: {args.out}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -41,8 +41,9 @@ from cuboid.checkpoint.format import (
     storable_hparams,
 )
 from cuboid.checkpoint.full import FullFormat
+from cuboid.checkpoint.integrity import CheckpointDamaged
 from cuboid.checkpoint.lightning import LightningFormat
-from cuboid.checkpoint.resume import SkipFirstBatches
+from cuboid.checkpoint.resume import SkipFirstBatches, checkpoints_newest_first
 from cuboid.checkpoint.sharded import ShardedFormat
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
@@ -74,6 +75,9 @@ class Checkpointer:
         self._deferred_removals: list[Path] = []
         self._resume_skip = 0
         self._barrier = barrier
+        # Set by the main job for ckpt_path=auto: a damaged checkpoint (checksums) makes way for the newest earlier
+        # one that verifies, with a warning; otherwise the load stops, naming the damaged files.
+        self.fall_back_when_damaged = False
 
     def make_group(self) -> None:
         """The gloo process group checkpoints use when they need one (async saves; the full format on NCCL), made
@@ -202,11 +206,45 @@ class Checkpointer:
         """Load ``path`` (a Cuboid directory or file, or a Lightning strategy's) into this layout, whatever format
         is set for saving; return Lightning's state."""
         check_loadable(path, allow_file=True)
-        fmt = next((reader for reader in READERS if reader.recognizes(path)), FORMATS["sharded"])
-        request = LoadRequest(path, module, optimizers, strict, weights_only, self.model_order)
-        meta = fmt.load(request)
+        try:
+            meta = self._load_one(path, module, optimizers, strict, weights_only)
+        except CheckpointDamaged as damaged:
+            if not self.fall_back_when_damaged:
+                raise
+            meta = self._load_previous(damaged, module, optimizers, strict, weights_only)
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
         return meta
+
+    def _load_one(
+        self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None
+    ) -> dict[str, Any]:
+        fmt = next((reader for reader in READERS if reader.recognizes(path)), FORMATS["sharded"])
+        return fmt.load(LoadRequest(path, module, optimizers, strict, weights_only, self.model_order))
+
+    def _load_previous(
+        self,
+        damaged: CheckpointDamaged,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        strict: bool,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
+        """The newest older checkpoint beside a damaged one that verifies (``fall_back_when_damaged``: what the
+        main job's ``ckpt_path=auto`` asks); the damaged one is kept. Raises the first error when none does."""
+        bad = damaged.path.resolve()
+        older = [p for p in checkpoints_newest_first(bad.parent) if p != bad]
+        for candidate in older:
+            try:
+                meta = self._load_one(candidate, module, optimizers, strict, weights_only)
+            except CheckpointDamaged as also:
+                rank_zero_warn(f"Cuboid: {also}")
+                continue
+            rank_zero_warn(
+                f"Cuboid: {damaged} Resumed from {candidate} instead, the newest earlier checkpoint that verifies; "
+                f"{damaged.path} is kept as it is."
+            )
+            return meta
+        raise damaged
 
     def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
         """After a mid-epoch resume, skip the batches of the epoch that were already trained (once)."""

@@ -20,9 +20,15 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     (``.<name>.tmp``) and replaced (``.<name>.old``) ones are skipped, and a ``last`` link counts as its target.
     Newest: by the time its metadata was written.
     """
+    found = checkpoints_newest_first(directory)
+    return found[0] if found else None
+
+
+def checkpoints_newest_first(directory: str | Path) -> list[Path]:
+    """Every complete checkpoint in ``directory`` (as :func:`latest_checkpoint` counts them), newest first."""
     root = Path(directory)
     if not root.is_dir():
-        return None
+        return []
     found: dict[Path, float] = {}
     for entry in root.iterdir():
         if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
@@ -32,7 +38,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
             found[target] = (target / META_FILE).stat().st_mtime
         elif target.is_file():
             found[target] = target.stat().st_mtime
-    return max(found, key=found.__getitem__) if found else None
+    return sorted(found, key=found.__getitem__, reverse=True)
 
 
 def restored_names(module: nn.Module) -> set[str]:

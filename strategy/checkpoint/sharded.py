@@ -4,7 +4,8 @@ Model and optimizer state are stored by original parameter name (FQN), every ran
 own shards, so a checkpoint loads into another layout (:class:`ShardedFormat`). Lightning's own state (loops, callbacks,
 schedulers) sits beside them in ``meta.pt``. The directory is written under a temporary name and
 renamed only when every rank has finished, so a crash never leaves a half checkpoint under the
-real name.
+real name; just before, the ranks write the checksums of every file, which a load verifies first
+(:mod:`cuboid.checkpoint.integrity`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cuboid.checkpoint.format import (
     save_failed,
     state_dicts,
 )
+from cuboid.checkpoint.integrity import verify_checkpoint, write_checksums
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -81,6 +83,7 @@ def _save_sharded(
         except (Exception, dcp.CheckpointException) as err:  # (a BaseException) raised on every rank by DCP
             raise save_failed(path, tmp, err) from err
         barrier()
+        write_checksums(tmp)
         publish(tmp, path)
         barrier()
         return None
@@ -95,6 +98,11 @@ def _save_sharded(
             thread.error = save_failed(path, tmp, err)  # type: ignore[attr-defined]
             return
         dist.barrier(group=async_group)
+        try:
+            write_checksums(tmp, async_group)
+        except OSError as err:
+            thread.error = save_failed(path, tmp, err)  # type: ignore[attr-defined]
+            return
         publish(tmp, path)
         dist.barrier(group=async_group)
 
@@ -120,6 +128,7 @@ def _load_sharded(
     ``True``.
     """
     check_loadable(path)
+    verify_checkpoint(path)
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     meta = load_pickled(path / META_FILE, weights_only)
     load_state(path, module, optimizers, strict, stored, checkpoint_id=path)

@@ -131,6 +131,9 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     ckpt_dir = out_dir / "checkpoints"
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
+    if cfg.ckpt_path == "auto" and isinstance(strategy, CuboidStrategy):
+        # a damaged newest checkpoint (its checksums) makes way for the newest earlier one that verifies
+        strategy.checkpointer.fall_back_when_damaged = True
     logger = make_logger(cfg, ckpt_dir, resuming=ckpt_path is not None)
     history = LossHistory()
     callbacks: list[L.Callback] = [CuboidMonitor(), history]

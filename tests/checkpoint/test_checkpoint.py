@@ -64,9 +64,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                 },
             ],
         ),
+        damage_copies,
         (
             1,
             [
+                *[
+                    {
+                        "name": f"damaged-{kind}",
+                        "strategy": {},
+                        "resume_from": str(out / "damaged" / kind / "step=6.ckpt"),
+                        "expect_error": True,
+                    }
+                    for kind in DAMAGED
+                ],
+                {"name": "damaged-auto", "strategy": {}, "resume_from": f"auto:{out / 'fallback'}"},
                 {"name": "single-from-3d", "strategy": {}, "resume_from": str(out / "3d" / "step=6.ckpt")},
                 {"name": "single-from-3d-full", "strategy": {}, "resume_from": str(out / "3d-full" / "step=6.ckpt")},
                 {
@@ -87,6 +98,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         (
             2,
             [
+                {
+                    "name": "damaged-dp2",
+                    "strategy": {},
+                    "resume_from": str(out / "damaged" / "odd" / "step=6.ckpt"),
+                    "expect_error": True,
+                },
                 {"name": "exact-uninterrupted", "strategy": {}, "epochs": 2},
                 {
                     "name": "exact-first",
@@ -123,9 +140,46 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         ),
     ]
     got = SpecRuns(out)
-    for world, specs in launches:
+    for launch in launches:
+        if callable(launch):
+            launch(out)
+            continue
+        world, specs = launch
         got.launch(world, WORKERS / "parity_worker.py", specs)
     return out, got
+
+
+# A file of each kind flipped in a copy of the 8-rank checkpoint: (what, the file). "odd": a shard that the second
+# of two loading ranks verifies (each rank checks every world-th file of the sorted list).
+DAMAGED = {"shard": "__5_0.distcp", "metadata": ".metadata", "lightning": "meta.pt", "rng": "rng/rank3.pt"}
+
+
+def flip(path: Path) -> None:
+    """64 bytes in the middle of ``path`` inverted, its size kept: bit rot, or a torn copy."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(255 - b for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def damage_copies(out: Path) -> None:
+    """Damaged copies of the 3d save's step 6, and a directory whose newest checkpoint is damaged and whose
+    earlier one (the single-process save's step 6) is whole: what ``ckpt_path=auto`` must fall back from."""
+    import json
+    import os
+    import shutil
+
+    source = out / "3d" / "step=6.ckpt"
+    names = sorted(json.loads((source / "checksums.json").read_text())["files"])
+    odd = next(n for n in names[1::2] if n.endswith(".distcp"))
+    for kind, name in {**DAMAGED, "odd": odd}.items():
+        copy = out / "damaged" / kind / "step=6.ckpt"
+        shutil.copytree(source, copy)
+        flip(copy / name)
+    shutil.copytree(out / "single" / "step=6.ckpt", out / "fallback" / "step=5.ckpt")
+    shutil.copytree(out / "damaged" / "shard" / "step=6.ckpt", out / "fallback" / "step=6.ckpt")
+    older = (out / "fallback" / "step=5.ckpt" / "meta.pt").stat().st_mtime - 60
+    os.utime(out / "fallback" / "step=5.ckpt" / "meta.pt", (older, older))
 
 
 @pytest.mark.slow
@@ -456,3 +510,34 @@ def test_the_resume_bench_initializes_nothing_when_a_checkpoint_fills_the_weight
     rows = {row["mode"]: row for row in json.loads(out.read_text())["results"]}
     assert rows["initialize_then_load"]["initialized"] > 0
     assert (rows["load_only"]["initialized"], rows["load_only"]["sent"]) == (0, 0)
+
+
+def test_a_damaged_file_of_any_kind_stops_the_load_naming_it(runs) -> None:
+    """Every file a save writes has its CRC-32 in ``checksums.json``. 64 bytes flipped in one file of a copy (a
+    DCP shard of model and optimizer state, DCP's ``.metadata``, Lightning's ``meta.pt``, a rank's RNG state), and
+    the load stops before any weight is read, naming the file and the checkpoint. Two loading ranks check half the files each; a file the second one checks is found."""
+    out, got = runs
+    for kind, name in {**DAMAGED, "dp2": None}.items():
+        error = got[f"damaged-{kind}"]["error"]
+        assert error and error.startswith("CheckpointDamaged:"), (kind, error)
+        assert "damaged" in error and "step=6.ckpt" in error and "the save wrote" in error, (kind, error)
+        if name is not None:
+            assert f"{name}: CRC-32" in error, (kind, error)
+    listed = json.loads((out / "3d" / "step=6.ckpt" / "checksums.json").read_text())["files"]
+    on_disk = {str(p.relative_to(out / "3d" / "step=6.ckpt")) for p in (out / "3d" / "step=6.ckpt").rglob("*")
+               if p.is_file() and p.name != "checksums.json"}  # fmt: skip
+    assert set(listed) == on_disk and len(on_disk) >= 8 + 8 + 2, sorted(on_disk)
+
+
+def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_keeps_it(runs) -> None:
+    """``ckpt_path=auto`` (the parity worker's ``auto:`` as the main job's): the newest checkpoint is damaged, so
+    the newest earlier one that verifies is loaded, with a warning that names the damaged one, which stays on
+    disk; training goes on from there as a resume from that checkpoint does."""
+    out, got = runs
+    run = got["damaged-auto"]
+    facts = run["ranks"][0]
+    assert facts["resumed_from"].endswith("fallback/step=6.ckpt"), facts["resumed_from"]
+    (warning,) = set(facts["damaged_warnings"])
+    assert "fallback/step=6.ckpt is damaged" in warning and "fallback/step=5.ckpt" in warning, warning
+    assert (out / "fallback" / "step=6.ckpt" / "checksums.json").is_file()
+    assert run["losses"] == pytest.approx(got["single-from-3d"]["losses"], rel=1e-5)

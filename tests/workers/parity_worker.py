@@ -332,10 +332,11 @@ def run(spec: dict, out_dir: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resume = spec.get("resume_from")
-        if resume and resume.startswith("auto:"):
+        if resume and resume.startswith("auto:"):  # as the main job's ckpt_path=auto
             from cuboid import latest_checkpoint
 
             resume = str(latest_checkpoint(resume[len("auto:") :]))
+            strategy.checkpointer.fall_back_when_damaged = True
         try:
             trainer.fit(module, loader, val_loader, ckpt_path=resume, **fit_kwargs)
             stopped_by = None
@@ -388,6 +389,8 @@ def run(spec: dict, out_dir: Path) -> None:
         "preempted_to": str(strategy.preempted_to) if strategy.preempted_to else None,
         "ckpt_group_at_start": facts.ckpt_group_at_start,
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
+        "damaged_warnings": [str(w.message) for w in caught if "is damaged" in str(w.message)],
+        "resumed_from": resume,
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
         # (rank 0 removes the run lock in its teardown: another rank may list the directory before that)
         "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir() if p.name != ".cuboid-run.lock")
