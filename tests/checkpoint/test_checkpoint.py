@@ -541,3 +541,20 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_keeps_it(runs) -> 
     assert "fallback/step=6.ckpt is damaged" in warning and "fallback/step=5.ckpt" in warning, warning
     assert (out / "fallback" / "step=6.ckpt" / "checksums.json").is_file()
     assert run["losses"] == pytest.approx(got["single-from-3d"]["losses"], rel=1e-5)
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning_and_a_whole_one_verifies(tmp_path: Path) -> None:
+    """Written before Cuboid kept checksums (or by another tool): no ``checksums.json``, so it cannot be verified,
+    and says so; once they are written, the same files verify, and a missing one is named."""
+    from cuboid.checkpoint.integrity import CheckpointDamaged, verify_checkpoint, write_checksums
+
+    (tmp_path / "rng").mkdir()
+    for name in ("__0_0.distcp", ".metadata", "rng/rank0.pt"):
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    with pytest.warns(UserWarning, match="cannot be verified"):
+        verify_checkpoint(tmp_path)
+    write_checksums(tmp_path)
+    verify_checkpoint(tmp_path)
+    (tmp_path / "rng" / "rank0.pt").unlink()
+    with pytest.raises(CheckpointDamaged, match=r"rng/rank0.pt: missing"):
+        verify_checkpoint(tmp_path)
