@@ -28,9 +28,19 @@ class Router(nn.Module):
         return probs, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), index
 
 
+def grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``F.grouped_mm`` (torch 2.11+) runs on ``x``'s device and dtype with matrices of these inner
+    dimensions: any float on CPU, bf16 on CUDA (its kernel's only input type there), each dimension a multiple of
+    16 bytes (its strides must be); elsewhere the experts run one by one."""
+    if not hasattr(F, "grouped_mm") or any(d * x.element_size() % 16 for d in dims):
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
+
+
 class Experts(nn.Module):
     """``num_experts`` SwiGLU experts in two packed parameters; ``forward`` runs each chosen (token, expert) pair
-    and sums a token's k results weighted by the router (pairs sorted by expert, an exact loop over the experts)."""
+    and sums a token's k results weighted by the router (pairs sorted by expert; one grouped GEMM per projection
+    where ``F.grouped_mm`` runs, else an exact loop over the experts)."""
 
     has_gate, has_bias, is_transposed, has_post_expert_norm = True, False, False, False
 
@@ -52,8 +62,17 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         binned = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat.device)
         counts = binned.index_add_(0, flat.clamp(max=self.num_experts), torch.ones_like(flat))
-        sizes = counts[: self.num_experts].tolist()  # one host read per layer (a boolean mask per expert: E reads)
         rows = x.index_select(0, torch.div(order, top_k_index.shape[-1], rounding_mode="floor"))
+        if grouped_mm_runs(x, *self.gate_up_proj.shape[-2:], self.down_proj.shape[-1]):  # no host read
+            offs = counts[: self.num_experts].cumsum(0).to(torch.int32)
+            up, down = (w.to(rows.dtype).transpose(-2, -1) for w in (self.gate_up_proj, self.down_proj))
+            h = self._apply_gate(F.grouped_mm(rows, up, offs=offs))
+            out = F.grouped_mm(h, down, offs=offs)
+            valid = (flat.index_select(0, order) < self.num_experts).unsqueeze(-1)  # rows past the last expert's
+            pairs = x.new_zeros(flat.numel(), x.shape[-1]).index_copy(0, order, torch.where(valid, out, 0.0))
+            weighted = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+            return weighted.view(*top_k_index.shape, -1).sum(dim=1)
+        sizes = counts[: self.num_experts].tolist()  # one host read per layer
         outs, start = [], 0
         for e, n in enumerate(sizes):
             h = self._apply_gate(F.linear(rows[start : start + n], self.gate_up_proj[e]))

@@ -72,6 +72,7 @@ class Routed:
     recv_splits: list[int]  # pairs received from each ep rank
     regroup: torch.Tensor  # received rows -> grouped by local expert (source ranks in order within an expert)
     group: dist.ProcessGroup
+    local_counts: torch.Tensor  # rows per local expert, on the device (a grouped GEMM's offsets, without a copy)
 
 
 def dispatch(
@@ -98,7 +99,8 @@ def dispatch(
     got = exchange(rows, recv_splits, send_splits, group)
     regroup = _regroup_index(recv_counts.view(ep, per), sum(recv_splits))
     local_counts = [sum(received[s * per + e] for s in range(ep)) for e in range(per)]
-    routed = Routed(order, flat.numel(), send_splits, recv_splits, regroup, group)
+    on_device = recv_counts.view(ep, per).sum(0)
+    routed = Routed(order, flat.numel(), send_splits, recv_splits, regroup, group, on_device)
     return got.index_select(0, regroup), local_counts, routed
 
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from cuboid.experts.dispatch import ExpertParallelError, combine, dispatch, expert_block
+from cuboid.models.moe import grouped_mm_runs
 
 PACKED = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 GROUP_ATTR = "_cuboid_ep_group"
@@ -49,13 +50,40 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return out if bias is None else out + bias
 
 
-def _local_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Each local expert on its rows (``rows`` grouped by expert, ``counts`` per expert), with the module's own
-    conventions (gate, activation, bias, transposition, post-expert norm). An exact loop: every local expert runs,
-    on no rows when none came, so each has a gradient (zero) whatever the routing."""
+def _grouped(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transposed: bool,
+    offs: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Every local expert's projection of its rows in one grouped GEMM (``offs``: where each expert's rows end)."""
+    weight = weight.to(rows.dtype)
+    out = F.grouped_mm(rows, weight if transposed else weight.transpose(-2, -1), offs=offs)
+    if bias is None:
+        return out
+    return out + bias.to(out.dtype).repeat_interleave(counts, dim=0, output_size=rows.shape[0])
+
+
+def _local_experts(
+    module: nn.Module, rows: torch.Tensor, counts: list[int], on_device: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each local expert on its rows (``rows`` grouped by expert, ``counts`` per expert; ``on_device``: the same
+    counts where the exchange left them), with the module's own conventions (gate, activation, bias,
+    transposition, post-expert norm). One grouped GEMM per projection where ``F.grouped_mm`` runs (CPU; bf16 on
+    CUDA), else an exact loop; either way every local expert runs, on no rows when none came, so each has a
+    gradient (zero) whatever the routing."""
     up = _local(module.gate_up_proj if module.has_gate else module.up_proj)
     up_bias = _local(getattr(module, "gate_up_proj_bias" if module.has_gate else "up_proj_bias", None))
     down, down_bias = _local(module.down_proj), _local(getattr(module, "down_proj_bias", None))
+    if on_device is not None and grouped_mm_runs(rows, *up.shape[-2:], *down.shape[-2:]):
+        offs = on_device.cumsum(0).to(torch.int32)
+        bias_up, bias_down = (up_bias, down_bias) if module.has_bias else (None, None)
+        h = _grouped(rows, up, bias_up, module.is_transposed, offs, on_device)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        h = _grouped(h, down, bias_down, module.is_transposed, offs, on_device)
+        return module.post_expert_norm(h) if getattr(module, "has_post_expert_norm", False) else h
     outs, start = [], 0
     for e, n in enumerate(counts):
         x = rows[start : start + n]
@@ -76,7 +104,7 @@ def _ep_experts_forward(
     implementations): dispatch, local experts, combine."""
     group = getattr(module, GROUP_ATTR)
     rows, counts, routed = dispatch(hidden_states, top_k_index, module.num_experts, group)
-    out = combine(_local_experts(module, rows, counts), top_k_weights, routed)
+    out = combine(_local_experts(module, rows, counts, routed.local_counts), top_k_weights, routed)
     return out.to(hidden_states.dtype)
 
 

@@ -179,3 +179,41 @@ def test_peak_flops_by_precision_and_exact_gpu_model() -> None:
     assert peak_flops("NVIDIA H100 80GB HBM3", "32-true", tf32=True) == 494e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "16-mixed") == 312e12
     assert peak_flops("Tesla T4", "bf16-mixed") is None
+
+
+@pytest.mark.parametrize("dims", [(16, 32), (10, 6)])
+def test_reference_experts_grouped_equal_the_loop_and_read_nothing_to_the_host(dims, monkeypatch) -> None:
+    """Cuboid's MoE runs its experts in one ``F.grouped_mm`` per projection where it runs (dimensions of 16-byte
+    multiples here): outputs and gradients equal the per-expert loop's to the bit, and no value is read to the host
+    (the loop reads the experts' row counts once per layer). Unaligned dimensions take the loop."""
+    from cuboid.models import moe
+
+    dim, hidden = dims
+    torch.manual_seed(0)
+    experts = moe.Experts(dim, hidden, 4)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    x = torch.randn(12, dim, requires_grad=True)
+    index = torch.randint(0, 4, (12, 2))
+    index[:, 1] = (index[:, 0] + 1) % 4
+    weights, grad = torch.rand(12, 2), torch.randn(12, dim)
+    reads, tolist = [0], torch.Tensor.tolist
+
+    def counted(t: torch.Tensor) -> list:  # on CPU a read to the host never reaches the dispatcher: count the call
+        reads[0] += 1
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    runs = {}
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+        x.grad = experts.gate_up_proj.grad = experts.down_proj.grad = None
+        reads[0] = 0
+        out = experts(x, index, weights)
+        out.backward(grad)
+        runs[grouped] = (out, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad, reads[0])
+    aligned = dim * 4 % 16 == 0 and hidden * 4 % 16 == 0
+    assert runs[True][4] == (0 if aligned else 1) and runs[False][4] == 1
+    for a, b in zip(runs[True][:4], runs[False][:4], strict=True):
+        assert torch.equal(a, b)
