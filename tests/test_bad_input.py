@@ -67,7 +67,7 @@ def _damaged_checkpoint() -> None:
     """A checkpoint whose shard changed after its save wrote its checksum."""
     import tempfile
 
-    from cuboid.checkpoint.integrity import verify_checkpoint, write_checksums
+    from cuboid.checkpoint.sharded import verify_checkpoint, write_checksums
 
     root = Path(tempfile.mkdtemp(prefix="cuboid-damaged-")) / "step=5.ckpt"
     root.mkdir()

@@ -32,6 +32,7 @@ PUBLIC = [
     "cuboid.ExpertParallelError",
     "cuboid.experts.distribute_experts",
     "cuboid.context.ContextParallel",
+    "cuboid.CheckpointDamaged",
     "cuboid.CheckpointError",
     "cuboid.PretrainedError",
     "cuboid.NonFiniteError",

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
-from cuboid.checkpoint.integrity import verify_checkpoint, write_checksums
+from cuboid.checkpoint.sharded import verify_checkpoint, write_checksums
 from cuboid.models import CONFIGS, Llama
 
 
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     result["async_blocked_s"] = blocked["t"]
     result["load_s"] = timed(lambda: strategy.load_checkpoint(root / "sync.ckpt"))
-    # What the checksums cost inside them (cuboid.checkpoint.integrity: each rank hashes its share of the files)
+    # What the checksums cost inside them (cuboid.checkpoint.sharded: each rank hashes its share of the files)
     result["checksums_write_s"] = timed(lambda: write_checksums(root / "sync.ckpt"))
     result["checksums_verify_s"] = timed(lambda: verify_checkpoint(root / "sync.ckpt"))
     strategy.checkpointer.async_save, strategy.checkpointer.format = False, "full"

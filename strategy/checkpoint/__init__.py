@@ -7,11 +7,11 @@ from cuboid.checkpoint.export import main as export_main
 from cuboid.checkpoint.export import read_model_weights
 from cuboid.checkpoint.format import CheckpointError, CheckpointFormat, CheckpointReader, LoadRequest, SaveRequest
 from cuboid.checkpoint.hooks import CheckpointHooks
-from cuboid.checkpoint.integrity import CheckpointDamaged
 from cuboid.checkpoint.pretrained import PretrainedError
 from cuboid.checkpoint.pretrained import load as load_pretrained
 from cuboid.checkpoint.pretrained import plan_all as plan_pretrained
 from cuboid.checkpoint.resume import latest_checkpoint, restored_names
+from cuboid.checkpoint.sharded import CheckpointDamaged
 
 __all__ = [
     "CheckpointDamaged",

@@ -41,10 +41,9 @@ from cuboid.checkpoint.format import (
     storable_hparams,
 )
 from cuboid.checkpoint.full import FullFormat
-from cuboid.checkpoint.integrity import CheckpointDamaged
 from cuboid.checkpoint.lightning import LightningFormat
 from cuboid.checkpoint.resume import SkipFirstBatches, checkpoints_newest_first
-from cuboid.checkpoint.sharded import ShardedFormat
+from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
 READERS: tuple[CheckpointReader, ...] = (*FORMATS.values(), LightningFormat())  # what Cuboid loads

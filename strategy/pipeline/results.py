@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cuboid.compat import set_metric_update_count
-from cuboid.step.loss_parallel import plain
+from cuboid.step import plain
 
 try:
     from torchmetrics import Metric

@@ -546,7 +546,7 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_keeps_it(runs) -> 
 def test_a_checkpoint_without_checksums_loads_with_a_warning_and_a_whole_one_verifies(tmp_path: Path) -> None:
     """Written before Cuboid kept checksums (or by another tool): no ``checksums.json``, so it cannot be verified,
     and says so; once they are written, the same files verify, and a missing one is named."""
-    from cuboid.checkpoint.integrity import CheckpointDamaged, verify_checkpoint, write_checksums
+    from cuboid.checkpoint.sharded import CheckpointDamaged, verify_checkpoint, write_checksums
 
     (tmp_path / "rng").mkdir()
     for name in ("__0_0.distcp", ".metadata", "rng/rank0.pt"):
