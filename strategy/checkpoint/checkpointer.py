@@ -42,7 +42,14 @@ from cuboid.checkpoint.format import (
 )
 from cuboid.checkpoint.full import FullFormat
 from cuboid.checkpoint.lightning import LightningFormat
-from cuboid.checkpoint.resume import SkipFirstBatches, checkpoints_newest_first
+from cuboid.checkpoint.resume import (
+    ResumedLoader,
+    SkipFirstBatches,
+    check_position,
+    checkpoints_newest_first,
+    distributed_sampler,
+    position,
+)
 from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
@@ -73,6 +80,8 @@ class Checkpointer:
         self._stager: Any = None
         self._deferred_removals: list[Path] = []
         self._resume_skip = 0
+        self._resume_position: dict[str, Any] | None = None
+        self._resumed_at: tuple[int, ...] = (-1, 0, 0)  # (epoch, samples, batches) where this run resumed
         self._barrier = barrier
         # Set by the main job for ckpt_path=auto: a damaged checkpoint (checksums) makes way for the newest earlier
         # one that verifies, with a warning; otherwise the load stops, naming the damaged files.
@@ -144,6 +153,8 @@ class Checkpointer:
             "world_size": dist.get_world_size(),
             # batches of the current epoch already trained: a mid-epoch resume skips them
             "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
+            # the samples of the epoch consumed over every dp rank: a resume on any dp degree starts there
+            "data_position": self._position(trainer, batches.current.processed) if mid_epoch else None,
         }
         self.write(path, module, optimizers, checkpoint, mesh)
 
@@ -212,6 +223,7 @@ class Checkpointer:
                 raise
             meta = self._load_previous(damaged, module, optimizers, strict, weights_only)
         self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
+        self._resume_position = meta.get("cuboid", {}).get("data_position")
         return meta
 
     def _load_one(
@@ -245,8 +257,33 @@ class Checkpointer:
             return meta
         raise damaged
 
+    def _position(self, trainer: Any, batches_done: int) -> dict[str, Any] | None:
+        """The data position of a mid-epoch save (:mod:`cuboid.checkpoint.position`), for a loader Lightning deals
+        with a ``DistributedSampler``; None for any other."""
+        loader = trainer.train_dataloader
+        sampler = distributed_sampler(loader)
+        if sampler is None or not loader.batch_size:
+            return None
+        epoch = trainer.current_epoch
+        _, start, at = self._resumed_at if self._resumed_at[0] == epoch else (epoch, 0, 0)
+        samples = start + (batches_done - at) * loader.batch_size * sampler.num_replicas
+        return position(min(samples, len(sampler.dataset)), epoch, sampler)
+
     def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
-        """After a mid-epoch resume, skip the batches of the epoch that were already trained (once)."""
+        """After a mid-epoch resume: a loader Lightning deals with a ``DistributedSampler`` starts at the
+        checkpoint's data position, on any dp degree and batch, reading nothing it skips; any other skips the
+        epoch's trained batches by drawing them (once)."""
+        found = self._resume_position
+        sampler = distributed_sampler(dataloader)
+        if found and sampler is not None and trainer is not None and trainer.training:
+            check_position(found, sampler)
+            epoch, samples, done = found["epoch"], found["samples"], self._resume_skip
+            self._resume_position, self._resume_skip, self._resumed_at = None, 0, (epoch, samples, done)
+            rank_zero_info(
+                f"Cuboid: resuming epoch {epoch} at sample {samples} of {found['length']} (counted over every "
+                f"data-parallel rank), on {sampler.num_replicas} of them; the samples before it are not read"
+            )
+            return ResumedLoader(dataloader, sampler, epoch, samples, self._resumed_at[2])
         if self._resume_skip and trainer is not None and trainer.training:
             skip = self._resume_skip
             dataloader = SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)

@@ -1,0 +1,72 @@
+"""The data position travels with the checkpoint: a mid-epoch resume on another dp degree or per-rank batch trains
+on the samples the uninterrupted run would have, and reads none of those it skips.
+
+96 samples, Lightning's ``DistributedSampler`` (shuffled, the global seed), a checkpoint at step 4 of dp2 x batch 4
+(32 samples consumed). Resumed at dp2 x 4, dp4 x 2 and dp1 x 8 (the same global batch of 8), each later step's
+global batch is the uninterrupted run's, and the final weights match it; at dp4 x 3 (a global batch of 12) every
+one of the 64 samples the epoch had not reached is trained once. Before, a resume drew and dropped the epoch's
+trained batches, counted per rank: 80 samples read to train 48 at dp4 x 2, and 16 never trained at dp4 x 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import WORKERS, SpecRuns
+
+SAVED = 4  # the step of the checkpoint
+GLOBAL = 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
+    out = tmp_path_factory.mktemp("position")
+    got = SpecRuns(out)
+    ckpt = str(out / "first" / f"step={SAVED}.ckpt")
+    got.launch(2, WORKERS / "position_worker.py", [
+        {"name": "uninterrupted", "batch": 4, "max_steps": 12},
+        {"name": "first", "batch": 4, "max_steps": SAVED, "save_every": SAVED},
+        {"name": "dp2x4", "batch": 4, "max_steps": 12, "resume_from": ckpt},
+        {"name": "other-dataset", "batch": 4, "max_steps": 12, "resume_from": ckpt, "samples": 90,
+         "expect_error": True},
+    ])  # fmt: skip
+    got.launch(4, WORKERS / "position_worker.py", [
+        {"name": "dp4x2", "batch": 2, "max_steps": 12, "resume_from": ckpt},
+        {"name": "dp4x3", "batch": 3, "max_steps": 12, "resume_from": ckpt},
+    ])  # fmt: skip
+    got.launch(1, WORKERS / "position_worker.py", [{"name": "dp1x8", "batch": 8, "max_steps": 12, "resume_from": ckpt}])
+    return got
+
+
+def global_batches(run: dict) -> list[list[int]]:
+    """Per step, the sorted ids every rank trained on."""
+    return [sorted(i for rank in step for i in rank) for step in zip(*run["ids"], strict=True)]
+
+
+@pytest.mark.parametrize("name", ["dp2x4", "dp4x2", "dp1x8"])
+def test_the_same_global_batch_resumes_on_the_uninterrupted_runs_samples(name: str, runs) -> None:
+    whole, resumed = global_batches(runs["uninterrupted"]), global_batches(runs[name])
+    assert len(whole) == 12 and resumed == whole[SAVED:], (name, resumed, whole[SAVED:])
+    for key, value in runs["uninterrupted"]["params"].items():
+        assert torch.allclose(runs[name]["params"][key], value, rtol=0, atol=1e-6), (name, key)
+
+
+@pytest.mark.parametrize("name", ["dp2x4", "dp4x2", "dp4x3", "dp1x8"])
+def test_a_resume_reads_none_of_the_samples_it_skips(name: str, runs) -> None:
+    """Every id a rank read from the dataset, it trained on: nothing drawn to be dropped."""
+    read = sorted(i for rank in runs[name]["read"] for i in rank)
+    trained = sorted(i for step in global_batches(runs[name]) for i in step)
+    assert read == trained, (name, len(read), len(trained))
+
+
+def test_another_global_batch_trains_each_remaining_sample_once(runs) -> None:
+    """dp4 x 3: the 64 samples the epoch had not reached, each once; none of the 32 trained before."""
+    before = {i for step in global_batches(runs["first"]) for i in step}
+    after = [i for step in global_batches(runs["dp4x3"]) for i in step]
+    assert len(before) == SAVED * GLOBAL
+    assert sorted(after) == sorted(set(range(96)) - before)
+
+
+def test_a_position_in_another_dataset_is_refused_naming_both_lengths(runs) -> None:
+    error = runs["other-dataset"]["error"]
+    assert error and "96 samples in the dataset" in error and "this run has 90" in error, error

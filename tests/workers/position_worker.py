@@ -1,0 +1,112 @@
+"""Which samples each rank trains on, step by step, across a mid-epoch save and a resume on another layout.
+
+Launched by ``harness.SpecRuns`` (``position_worker.py OUT SPECS_JSON``): each spec trains a small regressor with
+``CuboidStrategy`` on a map-style dataset of 96 samples that remembers which ids it was asked for, with
+Lightning's ``DistributedSampler`` (shuffled, the global seed). Rank 0 writes ``OUT/<name>.pt``: per step, the ids
+every rank trained on; the ids each rank read from the dataset; the final parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from cuboid import CuboidStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_lib import each_spec  # noqa: E402
+
+SAMPLES = 96
+
+
+class Counting(Dataset):
+    """Sample ``i`` is ``(i, x_i, y_i)``; every id asked for is recorded (what the loader read)."""
+
+    def __init__(self, samples: int = SAMPLES) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(samples, 8, generator=g)
+        self.y = self.x[:, :4].sum(-1, keepdim=True).tanh()
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.read.append(int(i))
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.ids: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        ids, x, y = batch
+        self.ids.append(ids.tolist())
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def run(spec: dict, out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    dataset = Counting(spec.get("samples", SAMPLES))
+    module = Regressor()
+    callbacks = []
+    if spec.get("save_every"):
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=out / spec["name"], every_n_train_steps=spec["save_every"], save_top_k=-1,
+                filename="step={step}", auto_insert_metric_name=False,
+            )
+        )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=CuboidStrategy(timeout=timedelta(seconds=90)),
+        max_steps=spec["max_steps"],
+        max_epochs=spec.get("epochs", 1),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
+    )
+    loader = DataLoader(dataset, batch_size=spec["batch"], shuffle=True)
+    error = None
+    try:
+        trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
+    except Exception as err:  # noqa: BLE001  (a refusal is what some specs check)
+        if not spec.get("expect_error"):
+            raise
+        error = f"{type(err).__name__}: {err}"
+    ids: list = [None] * dist.get_world_size()
+    read: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, module.ids)
+    dist.all_gather_object(read, dataset.read)
+    params = {k: v.detach().full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+              for k, v in module.state_dict().items()}  # fmt: skip
+    if dist.get_rank() == 0:
+        torch.save({"ids": ids, "read": read, "params": params, "error": error}, out / f"{spec['name']}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for spec in each_spec(sys.argv[2]):
+        run(spec, out)
+
+
+if __name__ == "__main__":
+    main()
