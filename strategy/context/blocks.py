@@ -165,6 +165,7 @@ class _Blocks(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+@torch.compiler.disable  # eager inside compiled blocks: collectives and aten kernel calls, nothing to fuse
 def block_attention(
     query: torch.Tensor,
     key: torch.Tensor,

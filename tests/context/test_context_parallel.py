@@ -116,9 +116,11 @@ def test_context_parallel_matches_single_process(name: str, results) -> None:
     dims = {tuple(d) for facts in got["ranks"] for d, *_ in facts["placements"].values()}
     assert all(("dp_shard_cp" in d) for d in dims), dims
     if sizes.get("compile"):
-        # One graph for every block and step: the context-parallel attention leaves Dynamo nothing to recompile on.
-        # (A call counter it read made each call recompile until Dynamo's limit of 8, then run the blocks eagerly.)
-        assert [r["compiled_graphs"] for r in got["ranks"]] == [1] * len(got["ranks"])
+        # The same 4 graphs for every block and step (the block's parts around attention, which runs eagerly:
+        # torch.compiler.disable on the block attention, whose traced merges tripled the cold compile, 129 s -> 43 s):
+        # nothing for Dynamo to recompile on. (A call counter the attention read once made each call recompile until
+        # Dynamo's limit of 8, then run the blocks eagerly.)
+        assert [r["compiled_graphs"] for r in got["ranks"]] == [4] * len(got["ranks"])
 
 
 @pytest.mark.slow
