@@ -67,7 +67,23 @@ def restored_names(module: nn.Module) -> set[str]:
     return set(nn.Module.state_dict(module, keep_vars=True)) - frozen_base_names(module)
 
 
-class SkipFirstBatches:
+class _ResumingLoader:
+    """What both resume wrappers of a train loader share: every other attribute is the loader's, and a state that
+    Lightning saves and restores as a resumable loader's (empty: the position travels in Cuboid's own state)."""
+
+    _loader: Any
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SkipFirstBatches(_ResumingLoader):
     """Wraps a train DataLoader so its next epoch starts ``skip`` batches in (mid-epoch resume).
 
     The skipped batches are drawn and dropped, so the sampler (seeded per epoch) hands every rank the
@@ -93,15 +109,6 @@ class SkipFirstBatches:
 
     def __len__(self) -> int:
         return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 # --- the data position ----------------------------------------------------------------------------------------
@@ -160,14 +167,14 @@ class TailSampler(Sampler[int]):
         return len(self.indices)
 
 
-class ResumedLoader:
+class ResumedLoader(_ResumingLoader):
     """A train loader whose first epoch after a resume starts at a data position (a loader of the same dataset,
     batch size and workers over a :class:`TailSampler`); later epochs are the loader's own. Its length is the
     longer of the two, so Lightning's batch count (set once, from ``len``) never cuts an epoch short: an epoch
     ends when its iterator does."""
 
     def __init__(self, loader: DataLoader, sampler: DistributedSampler, epoch: int, start: int, done: int) -> None:
-        self._loader, self._epoch, self._done = loader, epoch, done
+        self._loader = loader
         order = epoch_order(sampler, epoch)
         tail = TailSampler(order, start, sampler.rank, sampler.num_replicas)
         workers = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context}
@@ -195,12 +202,3 @@ class ResumedLoader:
 
     def __len__(self) -> int:
         return self._len
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

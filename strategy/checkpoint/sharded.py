@@ -126,8 +126,8 @@ def damaged_files(root: Path, share: tuple[int, int] = (0, 1)) -> list[str] | No
             problems.append(f"{name}: missing")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, the save wrote {size}")
-        elif crc32_of(path) != crc:
-            problems.append(f"{name}: CRC-32 {crc32_of(path)}, the save wrote {crc}")
+        elif (found := crc32_of(path)) != crc:
+            problems.append(f"{name}: CRC-32 {found}, the save wrote {crc}")
     return problems
 
 
