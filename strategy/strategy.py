@@ -94,6 +94,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         async_checkpoint: Write checkpoints in the background once the shards are in host memory.
         checkpoint_format: ``"sharded"`` (a DCP directory, every rank its shards) or ``"full"`` (one Lightning
             file gathered on rank 0). Both resume on any layout, whichever is set (``docs/checkpoints.md``).
+        data_position: Where a mid-epoch resume starts: ``"exact"``, where the checkpoint was taken (on any dp
+            degree for a loader Lightning deals with its ``DistributedSampler``; at the same degree for one that
+            keeps per-rank state, another degree refused); ``"epoch"``, the interrupted epoch again from its start.
         pretrained: Submodule -> weights to fill it with after sharding, e.g. ``{"model": "/ckpt/Llama-3.1-8B"}``: a
             Hugging Face directory, a ``.safetensors`` file or a Cuboid checkpoint. Build the submodule on meta and
             each rank reads only its slices; a mismatch stops setup before anything is loaded (``None`` ignored).
@@ -143,6 +146,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         compile: bool = False,
         async_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
+        data_position: Literal["exact", "epoch"] = "exact",
         pretrained: Mapping[str, str | Path | None] | None = None,
         weights_init: Literal["auto", "rank0", "local"] = "auto",
         preempt_on: Sequence[str] = ("SIGUSR1", "SIGTERM"),
@@ -175,6 +179,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
         self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
+        self.checkpointer.data_position = data_position
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         self.num_nodes = 1

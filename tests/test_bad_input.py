@@ -272,6 +272,11 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         ValueError,
         "checkpoint_format='zip'; choose 'sharded'",
     ),
+    "an unknown data_position": (
+        lambda: CuboidStrategy(data_position="step"),
+        ValueError,
+        "data_position='step'; choose 'exact'",
+    ),
     "an unknown preemption signal": (
         lambda: CuboidStrategy(preempt_on=("SIGFOO",)),
         ValueError,

@@ -250,6 +250,27 @@ def test_set_sampler_epoch_reaches_a_distributed_sampler() -> None:
     assert loader.sampler.epoch == 3
 
 
+def test_update_dataloader_remakes_a_loader_with_its_own_batch_sampler_class_around_a_new_sampler() -> None:
+    """Lightning's ``_update_dataloader`` (what injects its DistributedSampler): a loader subclass made again with
+    its own arguments, a custom batch sampler's class kept around the new sampler (torchdata's loader has both)."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    class Batches(BatchSampler):
+        pass
+
+    class Loader(DataLoader):
+        pass
+
+    data = TensorDataset(torch.arange(8))
+    loader = Loader(data, batch_sampler=Batches(SequentialSampler(data), batch_size=2, drop_last=False))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    remade = compat.update_dataloader(loader, sampler)
+    assert type(remade) is Loader and type(remade.batch_sampler) is Batches
+    assert remade.batch_sampler.sampler is sampler and remade.batch_sampler.batch_size == 2
+    assert [b[0].tolist() for b in remade] == [[1, 3], [5, 7]]
+
+
 def test_foreach_mul_scales_tensors_of_one_dtype_by_a_tensor_in_place() -> None:
     tensors = [torch.ones(3), torch.full((2, 2), 2.0)]
     compat.foreach_mul_(tensors, torch.tensor(0.5))

@@ -10,8 +10,8 @@ from cuboid.checkpoint.hooks import CheckpointHooks
 from cuboid.checkpoint.pretrained import PretrainedError
 from cuboid.checkpoint.pretrained import load as load_pretrained
 from cuboid.checkpoint.pretrained import plan_all as plan_pretrained
-from cuboid.checkpoint.resume import latest_checkpoint, restored_names
-from cuboid.checkpoint.sharded import CheckpointDamaged
+from cuboid.checkpoint.resume import restored_names
+from cuboid.checkpoint.sharded import CheckpointDamaged, latest_checkpoint
 
 __all__ = [
     "CheckpointDamaged",

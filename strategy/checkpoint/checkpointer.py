@@ -43,14 +43,20 @@ from cuboid.checkpoint.format import (
 from cuboid.checkpoint.full import FullFormat
 from cuboid.checkpoint.lightning import LightningFormat
 from cuboid.checkpoint.resume import (
+    DATA_POSITIONS,
+    RestartedEpoch,
     ResumedLoader,
     SkipFirstBatches,
+    TrackedLoader,
     check_position,
-    checkpoints_newest_first,
+    deal_as_dataloader,
     distributed_sampler,
-    position,
+    gather_loader_states,
+    keeps_state,
+    plan_resume,
+    save_position,
 )
-from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat
+from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat, checkpoints_newest_first
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
 READERS: tuple[CheckpointReader, ...] = (*FORMATS.values(), LightningFormat())  # what Cuboid loads
@@ -82,6 +88,10 @@ class Checkpointer:
         self._resume_skip = 0
         self._resume_position: dict[str, Any] | None = None
         self._resumed_at: tuple[int, ...] = (-1, 0, 0)  # (epoch, samples, batches) where this run resumed
+        self._restart_epoch = False
+        self._restored_states = 0  # batches done in the epoch of loader states restored by Lightning
+        self.data_position = "exact"
+        self.dp = (0, 1)  # this rank's data-parallel rank and the degree, set by the strategy before a load
         self._barrier = barrier
         # Set by the main job for ckpt_path=auto: a damaged checkpoint (checksums) makes way for the newest earlier
         # one that verifies, with a warning; otherwise the load stops, naming the damaged files.
@@ -120,6 +130,21 @@ class Checkpointer:
         return self._stager
 
     @property
+    def data_position(self) -> str:
+        """Where a mid-epoch resume starts: ``"exact"`` (at the checkpoint's data position) or ``"epoch"`` (the
+        interrupted epoch read again from its start, on any layout)."""
+        return self._data_position
+
+    @data_position.setter
+    def data_position(self, value: str) -> None:
+        if value not in DATA_POSITIONS:
+            raise ValueError(
+                f"data_position={value!r}; choose 'exact' (resume where the checkpoint was taken) or 'epoch' (read "
+                "the interrupted epoch again from its start)."
+            )
+        self._data_position = value
+
+    @property
     def format(self) -> str:
         return self._format
 
@@ -148,14 +173,21 @@ class Checkpointer:
         # processed); a save at the epoch's end, after fit, or after max_steps stopped fit mid-epoch resumes with
         # the next epoch from its start, which must not be skipped into.
         mid_epoch = epoch.started > epoch.processed and not batches.is_last_batch
+        dp = trainer.strategy.distributed_sampler_kwargs
+        loader = trainer.train_dataloader
+        loaders = [type(getattr(one, "_loader", one)).__name__ for one in getattr(loader, "flattened", [loader])]
         checkpoint["cuboid"] = {
             "layout": layout_sizes,
             "world_size": dist.get_world_size(),
+            "dp": dp["num_replicas"],
+            "loaders": loaders,
             # batches of the current epoch already trained: a mid-epoch resume skips them
             "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
             # the samples of the epoch consumed over every dp rank: a resume on any dp degree starts there
             "data_position": self._position(trainer, batches.current.processed) if mid_epoch else None,
         }
+        if mid_epoch and checkpoint["cuboid"]["data_position"] is None:  # each dp rank's loader state, if kept
+            checkpoint["cuboid"]["loader_states"] = gather_loader_states(checkpoint, dp["rank"], loaders)
         self.write(path, module, optimizers, checkpoint, mesh)
 
     def write(
@@ -222,7 +254,9 @@ class Checkpointer:
             if not self.fall_back_when_damaged:
                 raise
             meta = self._load_previous(damaged, module, optimizers, strict, weights_only)
-        self._resume_skip = meta.get("cuboid", {}).get("batches_done_in_epoch", 0)
+        self._resume_skip, self._restart_epoch = plan_resume(meta, self.data_position, *self.dp)
+        restored = self._resume_skip == 0 and meta.get("cuboid", {}).get("loader_states")
+        self._restored_states = meta["cuboid"]["batches_done_in_epoch"] if restored else 0
         self._resume_position = meta.get("cuboid", {}).get("data_position")
         return meta
 
@@ -258,21 +292,17 @@ class Checkpointer:
         raise damaged
 
     def _position(self, trainer: Any, batches_done: int) -> dict[str, Any] | None:
-        """The data position of a mid-epoch save (:mod:`cuboid.checkpoint.position`), for a loader Lightning deals
-        with a ``DistributedSampler``; None for any other."""
-        loader = trainer.train_dataloader
-        sampler = distributed_sampler(loader)
-        if sampler is None or not loader.batch_size:
-            return None
-        epoch = trainer.current_epoch
-        _, start, at = self._resumed_at if self._resumed_at[0] == epoch else (epoch, 0, 0)
-        samples = start + (batches_done - at) * loader.batch_size * sampler.num_replicas
-        return position(min(samples, len(sampler.dataset)), epoch, sampler)
+        """The data position of a mid-epoch save, for a loader Lightning deals with a ``DistributedSampler``."""
+        return save_position(trainer, batches_done, self._resumed_at)
 
     def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
-        """After a mid-epoch resume: a loader Lightning deals with a ``DistributedSampler`` starts at the
-        checkpoint's data position, on any dp degree and batch, reading nothing it skips; any other skips the
-        epoch's trained batches by drawing them (once)."""
+        """The train loader for this run (:func:`~cuboid.checkpoint.resume.plan_resume` says which case): one
+        Lightning deals with a ``DistributedSampler`` starts at the checkpoint's data position, reading nothing
+        it skips; one with its own state is tracked so a save keeps the trained batches' state; with
+        ``data_position="epoch"`` the interrupted epoch is read again; any other skips the epoch's trained
+        batches by drawing them (once)."""
+        if trainer is not None and trainer.training:
+            dataloader = deal_as_dataloader(dataloader)
         found = self._resume_position
         sampler = distributed_sampler(dataloader)
         if found and sampler is not None and trainer is not None and trainer.training:
@@ -284,7 +314,20 @@ class Checkpointer:
                 f"data-parallel rank), on {sampler.num_replicas} of them; the samples before it are not read"
             )
             return ResumedLoader(dataloader, sampler, epoch, samples, self._resumed_at[2])
-        if self._resume_skip and trainer is not None and trainer.training:
+        if trainer is None or not trainer.training:
+            return dataloader
+        if self._restart_epoch:
+            epoch, done = trainer.fit_loop.epoch_progress.current.processed, self._resume_skip
+            self._restart_epoch, self._resume_skip = False, 0
+            if sampler is None and keeps_state(dataloader):
+                dataloader = TrackedLoader(dataloader, trainer.fit_loop.epoch_loop.batch_progress, done)
+            rank_zero_info(f"Cuboid: data_position='epoch': reading epoch {epoch} again from its start")
+            return RestartedEpoch(dataloader, epoch, done)
+        if sampler is None and keeps_state(dataloader) and not self._resume_skip:
+            # Lightning restores this rank's own state into it; the states a save keeps are the trained batches'
+            done, self._restored_states = self._restored_states, 0
+            return TrackedLoader(dataloader, trainer.fit_loop.epoch_loop.batch_progress, done)
+        if self._resume_skip:
             skip = self._resume_skip
             dataloader = SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
             self._resume_skip = 0

@@ -66,6 +66,8 @@ class CheckpointHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         path, strict = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
+        dp = self.distributed_sampler_kwargs
+        self.checkpointer.dp = (dp["rank"], dp["num_replicas"])
         return self.checkpointer.load(path, self.model, self.optimizers, strict, weights_only)
 
     @override

@@ -20,44 +20,14 @@ epoch's trained batches are drawn and dropped at the same dp degree (``SkipFirst
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from cuboid.adapters import frozen_base_names
-from cuboid.checkpoint.format import META_FILE
-from cuboid.checkpoint.sharded import is_sharded_checkpoint
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``directory`` (what ``ckpt_path="auto"`` resumes from), or None.
-
-    Complete: a sharded checkpoint directory with its metadata, or a ``checkpoint_format="full"`` file; temporary
-    (``.<name>.tmp``) and replaced (``.<name>.old``) ones are skipped, and a ``last`` link counts as its target.
-    Newest: by the time its metadata was written.
-    """
-    found = checkpoints_newest_first(directory)
-    return found[0] if found else None
-
-
-def checkpoints_newest_first(directory: str | Path) -> list[Path]:
-    """Every complete checkpoint in ``directory`` (as :func:`latest_checkpoint` counts them), newest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found: dict[Path, float] = {}
-    for entry in root.iterdir():
-        if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
-            continue
-        target = entry.resolve()
-        if is_sharded_checkpoint(target):
-            found[target] = (target / META_FILE).stat().st_mtime
-        elif target.is_file():
-            found[target] = target.stat().st_mtime
-    return sorted(found, key=found.__getitem__, reverse=True)
 
 
 def restored_names(module: nn.Module) -> set[str]:
@@ -113,9 +83,45 @@ class SkipFirstBatches(_ResumingLoader):
 
 # --- the data position ----------------------------------------------------------------------------------------
 def distributed_sampler(loader: Any) -> DistributedSampler | None:
-    """The ``DistributedSampler`` a train loader draws from (Lightning's, injected), or None."""
-    sampler = getattr(loader, "sampler", None)
-    return sampler if type(sampler) is DistributedSampler else None
+    """The ``DistributedSampler`` a train loader draws from (Lightning's, injected), or None. Lightning puts it in
+    the loader's ``sampler``, or, for a loader whose batch sampler is its own class (torchdata's
+    ``StatefulDataLoader``), in that batch sampler's."""
+    for holder in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(holder, "sampler", None)
+        if type(sampler) is DistributedSampler:
+            return sampler
+    return None
+
+
+def deal_as_dataloader(loader: Any) -> Any:
+    """torchdata's ``StatefulDataLoader(shuffle=...)`` dealt as Lightning deals a ``DataLoader(shuffle=...)``: one
+    ``DistributedSampler`` over the dataset (seeded, an order that a data position can resume on any degree).
+    Lightning does not know torchdata's own ``RandomSampler``/``SequentialSampler`` and wraps them in its
+    ``DistributedSamplerWrapper``, whose order comes from the global random state when the epoch starts, which no
+    restored state reproduces. Any other loader is returned as it is."""
+    wrapper = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if wrapper is None or type(wrapper).__name__ != "DistributedSamplerWrapper":
+        return loader
+    inner = getattr(wrapper.dataset, "_sampler", None)
+    kind = type(inner)
+    if kind.__module__ != "torchdata.stateful_dataloader.sampler" or kind.__name__ not in (
+        "RandomSampler",
+        "SequentialSampler",
+    ):
+        return loader  # fmt: skip
+    from cuboid.compat import update_dataloader
+
+    sampler = DistributedSampler(loader.dataset, num_replicas=wrapper.num_replicas, rank=wrapper.rank,
+                                 shuffle=wrapper.shuffle, seed=wrapper.seed, drop_last=wrapper.drop_last)  # fmt: skip
+    return update_dataloader(loader, sampler)
+
+
+def batching(loader: Any) -> tuple[int | None, bool]:
+    """A loader's per-rank batch size and ``drop_last``, whether it batches itself or through a batch sampler."""
+    if loader.batch_size:
+        return loader.batch_size, loader.drop_last
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return getattr(batch_sampler, "batch_size", None), bool(getattr(batch_sampler, "drop_last", False))
 
 
 def epoch_order(sampler: DistributedSampler, epoch: int) -> list[int]:
@@ -133,6 +139,19 @@ def position(samples: int, epoch: int, sampler: DistributedSampler) -> dict[str,
     depends on (the sampler's seed and shuffle, the dataset's length)."""
     return {"epoch": epoch, "samples": samples, "seed": sampler.seed, "shuffle": sampler.shuffle,
             "length": len(sampler.dataset)}  # type: ignore[arg-type]  # fmt: skip
+
+
+def save_position(trainer: Any, batches_done: int, resumed_at: tuple[int, ...]) -> dict[str, Any] | None:
+    """The data position of a save ``batches_done`` batches into the epoch, for a loader Lightning deals with a
+    ``DistributedSampler``; None for any other. ``resumed_at``: (epoch, samples, batches) where this run resumed."""
+    loader = trainer.train_dataloader
+    sampler, (batch_size, _) = distributed_sampler(loader), batching(loader)
+    if sampler is None or not batch_size:
+        return None
+    epoch = trainer.current_epoch
+    _, start, at = resumed_at if resumed_at[0] == epoch else (epoch, 0, 0)
+    samples = start + (batches_done - at) * batch_size * sampler.num_replicas
+    return position(min(samples, len(sampler.dataset)), epoch, sampler)
 
 
 def check_position(found: dict[str, Any], sampler: DistributedSampler) -> None:
@@ -178,14 +197,15 @@ class ResumedLoader(_ResumingLoader):
         order = epoch_order(sampler, epoch)
         tail = TailSampler(order, start, sampler.rank, sampler.num_replicas)
         workers = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context}
+        batch_size, drop_last = batching(loader)
         self._first: DataLoader | None = DataLoader(
             loader.dataset,
-            batch_size=loader.batch_size,
+            batch_size=batch_size,
             sampler=tail,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory,
-            drop_last=loader.drop_last,
+            drop_last=drop_last,
             timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn,
             generator=loader.generator,
@@ -202,3 +222,145 @@ class ResumedLoader(_ResumingLoader):
 
     def __len__(self) -> int:
         return self._len
+
+
+class RestartedEpoch(_ResumingLoader):
+    """``data_position="epoch"``: the interrupted epoch is read again from its start, whole (its order the
+    sampler's for that epoch), and Lightning counts the batches trained before the save on top, so the epoch ends
+    when this iterator does; later epochs are the loader's own."""
+
+    def __init__(self, loader: Any, epoch: int, done: int) -> None:
+        self._loader, self._epoch, self._first, self._done = loader, epoch, True, done
+
+    def __iter__(self) -> Any:
+        if self._first:
+            self._first = False
+            from cuboid.compat import set_sampler_epoch
+
+            set_sampler_epoch(self._loader, self._epoch)
+        return iter(self._loader)
+
+    def __len__(self) -> int:
+        return self._done + len(self._loader)  # a loader without a length raises TypeError: Lightning's "no length"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._loader.state_dict() if isinstance(self._loader, TrackedLoader) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(self._loader, TrackedLoader):
+            self._loader.load_state_dict(state)
+
+
+# --- loaders that keep their own state (torchdata's StatefulDataLoader, a streaming dataset) -------------------
+DATA_POSITIONS = ("exact", "epoch")
+
+
+def fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's fit-loop entry of a checkpoint dict (where it keeps each train loader's ``state_dict``)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+
+
+def gather_loader_states(checkpoint: dict[str, Any], dp_rank: int, loaders: list[str]) -> dict[str, Any] | None:
+    """Every data-parallel rank's train-loader states, for a mid-epoch save without a data position: Lightning
+    keeps only this rank's in the checkpoint dict, and a sharded checkpoint writes that dict once. One object
+    all-gather over the world, at the save (not in a step). None when no loader keeps a state."""
+    mine = fit_loop_state(checkpoint).get("combined_loader") or []
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dp_rank, mine))
+    states = dict(everyone)
+    if not any(any(s) for s in states.values()):
+        return None
+    return {"loaders": loaders, "states": states}
+
+
+class TrackedLoader(_ResumingLoader):
+    """A train loader that keeps its own state (torchdata's ``StatefulDataLoader``, a streaming loader), with the
+    state it had before each batch was drawn: Lightning draws one batch ahead of the step it runs, so the loader's
+    own ``state_dict`` at a save is one batch past the batches trained, and a resume from it would skip one.
+    :meth:`state_dict` gives the state after exactly the batches Lightning has trained in this epoch."""
+
+    KEEP = 8  # states kept: Lightning draws at most ``prefetch_batches`` (1) ahead
+
+    def __init__(self, loader: Any, progress: Any, resumed_after: int = 0) -> None:
+        self._loader, self._progress, self._offset = loader, progress, resumed_after
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def __iter__(self) -> Any:
+        offset, self._offset, self._states = self._offset, 0, {}
+        iterator = iter(self._loader)  # a restored state is taken up here
+        drawn = offset
+        while True:
+            self._states[drawn] = self._loader.state_dict()
+            self._states.pop(drawn - self.KEEP, None)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            drawn += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        trained = self._progress.current.processed
+        return self._states.get(trained) or self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loader.load_state_dict(state)
+
+
+def keeps_state(loader: Any) -> bool:
+    """Whether a train loader keeps a state of its own that Lightning saves and restores (``state_dict`` and
+    ``load_state_dict``), not counting Cuboid's resume wrappers."""
+    return not isinstance(loader, _ResumingLoader) and all(
+        callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict")
+    )
+
+
+def refuse_other_degree(loaders: list[str], saved: int, now: int, at: int, why: str) -> None:
+    """The error for a mid-epoch checkpoint whose data state cannot be dealt over another dp degree."""
+    from cuboid.checkpoint.format import CheckpointError
+
+    names = ", ".join(loaders) or "the train loader"
+    raise CheckpointError(
+        f"the checkpoint was taken {at} batches into an epoch over {saved} data-parallel ranks, and this run has "
+        f"{now}; {names} {why}, which cannot be dealt over {now}. Choose one: resume on {saved} data-parallel ranks "
+        "(the layout's dp_replicate x dp_shard); or pass data_position='epoch' to CuboidStrategy to read the "
+        "interrupted epoch again from its start on this layout; or resume from a checkpoint taken at an epoch's "
+        "end. A loader Lightning deals with its DistributedSampler (a map-style dataset) resumes on any degree. "
+        "No step was run and nothing was overwritten."
+    )
+
+
+def plan_resume(meta: dict[str, Any], mode: str, dp_rank: int, dp_size: int) -> tuple[int, bool]:
+    """How a mid-epoch checkpoint's data resumes on ``dp_size`` data-parallel ranks: returns (batches to skip by
+    drawing them, whether to read the epoch again from its start), and edits ``meta`` so Lightning restores each
+    rank its own loader state (same degree) or none. Refuses, before any step, what another degree cannot take.
+
+    * ``mode="epoch"``: no loader state, no position; the epoch is read again from its start.
+    * a data position (a ``DistributedSampler``): any degree, handled by :class:`ResumedLoader`.
+    * loader states (torchdata's ``StatefulDataLoader``, a stateful streaming dataset): the same degree gets each
+      dp rank's own state back through Lightning (exact, nothing skipped is read); another degree is refused.
+    * neither (a loader with its own sampler): the epoch's trained batches drawn and dropped at the same degree;
+      another degree is refused (the batches were counted per rank).
+    """
+    cuboid = meta.get("cuboid", {})
+    done, saved = cuboid.get("batches_done_in_epoch", 0), cuboid.get("dp")
+    found, fit = cuboid.get("loader_states"), fit_loop_state(meta)
+    if not done:
+        return 0, False
+    if mode == "epoch":
+        fit.pop("combined_loader", None)
+        cuboid["data_position"] = None
+        return done, True
+    if cuboid.get("data_position"):
+        return done, False
+    if found:
+        if saved != dp_size:
+            refuse_other_degree(found["loaders"], saved, dp_size, done, "keeps one state per data-parallel rank")
+        fit["combined_loader"] = found["states"][dp_rank]
+        return 0, False
+    if saved is not None and saved != dp_size:
+        refuse_other_degree(cuboid.get("loaders", []), saved, dp_size, done, "has no data position to resume from")
+    return done, False

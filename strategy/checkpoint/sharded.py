@@ -269,3 +269,31 @@ class ShardedFormat:
     def load(self, request: LoadRequest) -> dict[str, Any]:
         r = request
         return _load_sharded(r.path, r.module, r.optimizers, strict=r.strict, weights_only=r.weights_only)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (what ``ckpt_path="auto"`` resumes from), or None.
+
+    Complete: a sharded checkpoint directory with its metadata, or a ``checkpoint_format="full"`` file; temporary
+    (``.<name>.tmp``) and replaced (``.<name>.old``) ones are skipped, and a ``last`` link counts as its target.
+    Newest: by the time its metadata was written.
+    """
+    found = checkpoints_newest_first(directory)
+    return found[0] if found else None
+
+
+def checkpoints_newest_first(directory: str | Path) -> list[Path]:
+    """Every complete checkpoint in ``directory`` (as :func:`latest_checkpoint` counts them), newest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found: dict[Path, float] = {}
+    for entry in root.iterdir():
+        if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
+            continue
+        target = entry.resolve()
+        if is_sharded_checkpoint(target):
+            found[target] = (target / META_FILE).stat().st_mtime
+        elif target.is_file():
+            found[target] = target.stat().st_mtime
+    return sorted(found, key=found.__getitem__, reverse=True)

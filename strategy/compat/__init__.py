@@ -79,6 +79,16 @@ def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
         sampler.set_epoch(epoch)
 
 
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """The train ``dataloader`` made again with ``sampler``, as Lightning re-makes a loader to inject its
+    ``DistributedSampler`` (its ``_update_dataloader``: the loader's own class and arguments, a custom batch
+    sampler's class kept)."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
 def set_module_device_mesh(lightning_module: Any, mesh: Any) -> None:
     """``LightningModule.device_mesh`` reads ``_device_mesh``; ModelParallelStrategy sets it the same way."""
     lightning_module._device_mesh = mesh

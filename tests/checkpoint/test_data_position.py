@@ -23,16 +23,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("position")
     got = SpecRuns(out)
     ckpt = str(out / "first" / f"step={SAVED}.ckpt")
+    # torchdata's StatefulDataLoader: over the same map-style dataset (shuffled), and over a stream that deals
+    # itself by rank and keeps its own state (one state per dp rank, which another dp degree cannot take)
+    first_of = {kind: str(out / f"first-{kind}" / f"step={SAVED}.ckpt") for kind in ("stateful", "stream")}
+    epoch = {"data_position": "epoch"}
     got.launch(2, WORKERS / "position_worker.py", [
         {"name": "uninterrupted", "batch": 4, "max_steps": 12},
         {"name": "first", "batch": 4, "max_steps": SAVED, "save_every": SAVED},
         {"name": "dp2x4", "batch": 4, "max_steps": 12, "resume_from": ckpt},
         {"name": "other-dataset", "batch": 4, "max_steps": 12, "resume_from": ckpt, "samples": 90,
          "expect_error": True},
+        *(spec for kind in ("stateful", "stream") for spec in (
+            {"name": f"uninterrupted-{kind}", "batch": 4, "max_steps": 12, "loader": kind},
+            {"name": f"first-{kind}", "batch": 4, "max_steps": SAVED, "save_every": SAVED, "loader": kind},
+            {"name": f"dp2x4-{kind}", "batch": 4, "max_steps": 12, "resume_from": first_of[kind], "loader": kind},
+        )),
     ])  # fmt: skip
     got.launch(4, WORKERS / "position_worker.py", [
         {"name": "dp4x2", "batch": 2, "max_steps": 12, "resume_from": ckpt},
         {"name": "dp4x3", "batch": 3, "max_steps": 12, "resume_from": ckpt},
+        {"name": "dp4x2-epoch", "batch": 2, "max_steps": 12, "resume_from": ckpt, "strategy": epoch},
+        {"name": "dp4x2-stateful", "batch": 2, "max_steps": 12, "resume_from": first_of["stateful"],
+         "loader": "stateful"},
+        {"name": "dp4x2-stream", "batch": 2, "max_steps": 12, "resume_from": first_of["stream"], "loader": "stream",
+         "expect_error": True},
+        {"name": "dp4x2-stream-epoch", "batch": 2, "max_steps": 12, "resume_from": first_of["stream"],
+         "loader": "stream", "strategy": epoch},
     ])  # fmt: skip
     got.launch(1, WORKERS / "position_worker.py", [{"name": "dp1x8", "batch": 8, "max_steps": 12, "resume_from": ckpt}])
     return got
@@ -70,3 +86,37 @@ def test_another_global_batch_trains_each_remaining_sample_once(runs) -> None:
 def test_a_position_in_another_dataset_is_refused_naming_both_lengths(runs) -> None:
     error = runs["other-dataset"]["error"]
     assert error and "96 samples in the dataset" in error and "this run has 90" in error, error
+
+
+@pytest.mark.parametrize(
+    ("name", "whole"),
+    [("dp2x4-stateful", "uninterrupted-stateful"), ("dp4x2-stateful", "uninterrupted-stateful"),
+     ("dp2x4-stream", "uninterrupted-stream")],
+)  # fmt: skip
+def test_a_stateful_dataloader_resumes_through_the_trainer_on_the_uninterrupted_runs_samples(name, whole, runs):
+    """torchdata's StatefulDataLoader. Over a map-style dataset it is dealt like a DataLoader (Lightning's
+    DistributedSampler; Lightning alone wraps torchdata's sampler, whose order no restored state reproduces), so it
+    resumes at the data position on any degree. Over a stream with its own state, each dp rank gets its own state
+    back through the Trainer: the state after the batches trained, not Lightning's one batch ahead. Either way, the
+    uninterrupted run's global batches, and nothing skipped is read."""
+    resumed, uninterrupted = global_batches(runs[name]), global_batches(runs[whole])
+    assert len(uninterrupted) == 12 and resumed == uninterrupted[SAVED:], (name, resumed, uninterrupted[SAVED:])
+    read = sorted(i for rank in runs[name]["read"] for i in rank)
+    assert read == sorted(i for step in resumed for i in step), (name, len(read))
+
+
+def test_loader_state_kept_per_rank_is_refused_on_another_degree_naming_loader_degrees_and_choices(runs) -> None:
+    error = runs["dp4x2-stream"]["error"]
+    assert error and "StatefulDataLoader" in error and "over 2 data-parallel ranks" in error, error
+    assert "this run has 4" in error and "data_position='epoch'" in error and "No step was run" in error, error
+    assert runs["dp4x2-stream"]["ids"] == [[], [], [], []]  # refused before any step
+
+
+def test_data_position_epoch_reads_the_interrupted_epoch_again_from_its_start(runs) -> None:
+    """data_position='epoch' on dp4: the map-style epoch from its start (the uninterrupted run's first global
+    batches, the same global batch of 8), and the stream restarted on 4 ranks (every id once, none of the 4 ranks'
+    shares skipped)."""
+    assert global_batches(runs["dp4x2-epoch"]) == global_batches(runs["uninterrupted"])[: 12 - SAVED]
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(1)).tolist()  # the stream's (the worker's)
+    for rank, steps in enumerate(runs["dp4x2-stream-epoch"]["ids"]):
+        assert [i for step in steps for i in step] == order[rank::4][: (12 - SAVED) * 2], rank

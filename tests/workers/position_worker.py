@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from cuboid import CuboidStrategy
 
@@ -45,6 +45,46 @@ class Counting(Dataset):
         return torch.tensor(i), self.x[i], self.y[i]
 
 
+class Stream(IterableDataset):
+    """A streaming source, as users write one for torchdata's ``StatefulDataLoader``: rank ``r`` of ``n`` reads ids
+    ``r, r + n, ...`` of a fixed shuffled order, one at a time, and its state is how many it has handed out."""
+
+    def __init__(self, samples: int = SAMPLES) -> None:
+        self.data = Counting(samples)
+        self.order = torch.randperm(samples, generator=torch.Generator().manual_seed(1)).tolist()
+        self.next, self._resume = 0, 0
+
+    def __iter__(self):
+        mine = self.order[dist.get_rank() :: dist.get_world_size()]
+        self.next, self._resume = self._resume, 0
+        while self.next < len(mine):
+            self.next += 1
+            yield self.data[mine[self.next - 1]]
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = state["next"]
+
+
+def make_loader(spec: dict):
+    """The train loader a spec names: ``map`` (a DataLoader, shuffled), ``stateful`` (torchdata's
+    StatefulDataLoader over the same map-style dataset) or ``stream`` (a StatefulDataLoader over :class:`Stream`).
+    Returns the loader and the dataset that records what was read."""
+    kind = spec.get("loader", "map")
+    if kind == "map":
+        dataset = Counting(spec.get("samples", SAMPLES))
+        return DataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if kind == "stateful":
+        dataset = Counting(spec.get("samples", SAMPLES))
+        return StatefulDataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
+    stream = Stream(spec.get("samples", SAMPLES))
+    return StatefulDataLoader(stream, batch_size=spec["batch"]), stream.data
+
+
 class Regressor(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -62,7 +102,7 @@ class Regressor(L.LightningModule):
 
 def run(spec: dict, out: Path) -> None:
     L.seed_everything(0, verbose=False)
-    dataset = Counting(spec.get("samples", SAMPLES))
+    loader, dataset = make_loader(spec)
     module = Regressor()
     callbacks = []
     if spec.get("save_every"):
@@ -75,7 +115,7 @@ def run(spec: dict, out: Path) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=CuboidStrategy(timeout=timedelta(seconds=90)),
+        strategy=CuboidStrategy(timeout=timedelta(seconds=90), **spec.get("strategy", {})),
         max_steps=spec["max_steps"],
         max_epochs=spec.get("epochs", 1),
         logger=False,
@@ -84,7 +124,6 @@ def run(spec: dict, out: Path) -> None:
         enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
     )
-    loader = DataLoader(dataset, batch_size=spec["batch"], shuffle=True)
     error = None
     try:
         trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
