@@ -6,6 +6,9 @@ on the samples the uninterrupted run would have, and reads none of those it skip
 global batch is the uninterrupted run's, and the final weights match it; at dp4 x 3 (a global batch of 12) every
 one of the 64 samples the epoch had not reached is trained once. Before, a resume drew and dropped the epoch's
 trained batches, counted per rank: 80 samples read to train 48 at dp4 x 2, and 16 never trained at dp4 x 3.
+The parity suite's Llama saved on dp2 x tp2 resumes on pp2 x dp2 the same way. torchdata's StatefulDataLoader
+resumes through the Trainer (exact on any degree over a map-style dataset; per-rank state at the same degree, and
+refused on another); ``data_position="epoch"`` reads the interrupted epoch again from its start.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
          "expect_error": True},
         {"name": "dp4x2-stream-epoch", "batch": 2, "max_steps": 12, "resume_from": first_of["stream"],
          "loader": "stream", "strategy": epoch},
+        # the parity suite's Llama: saved on dp2 x tp2 at step 4, resumed on pp2 x dp2
+        {"name": "dp2xtp2-llama", "batch": 4, "max_steps": 12, "save_every": SAVED, "loader": "llama",
+         "strategy": {"tensor_parallel": 2}},
+        {"name": "pp2xdp2-llama", "batch": 4, "max_steps": 12, "loader": "llama",
+         "resume_from": str(out / "dp2xtp2-llama" / f"step={SAVED}.ckpt"), "strategy": {"pipeline_parallel": 2}},
     ])  # fmt: skip
     got.launch(1, WORKERS / "position_worker.py", [{"name": "dp1x8", "batch": 8, "max_steps": 12, "resume_from": ckpt}])
     return got
@@ -120,3 +128,19 @@ def test_data_position_epoch_reads_the_interrupted_epoch_again_from_its_start(ru
     order = torch.randperm(96, generator=torch.Generator().manual_seed(1)).tolist()  # the stream's (the worker's)
     for rank, steps in enumerate(runs["dp4x2-stream-epoch"]["ids"]):
         assert [i for step in steps for i in step] == order[rank::4][: (12 - SAVED) * 2], rank
+
+
+def test_a_resume_from_tensor_to_pipeline_parallel_trains_the_same_samples_to_the_same_weights(runs) -> None:
+    """The parity suite's Llama, saved at step 4 of dp2 x tp2 and resumed on pp2 x dp2 (the same global batch of
+    8): each later step's global batch is the uninterrupted dp2 x tp2 run's, and the final weights match it within
+    the parity bound (1e-5). A step's ids are the same on the tp and pp peers of a dp rank, so they are taken once."""
+
+    def per_step(run: dict) -> list[list[int]]:
+        return [sorted({i for rank in step for i in rank}) for step in zip(*run["ids"], strict=True)]
+
+    whole, resumed = per_step(runs["dp2xtp2-llama"]), per_step(runs["pp2xdp2-llama"])
+    assert len(whole) == 12 and resumed == whole[SAVED:], (resumed, whole[SAVED:])
+    want, got = runs["dp2xtp2-llama"]["params"], runs["pp2xdp2-llama"]["params"]
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, rtol=0, atol=1e-5), (key, (got[key] - value).abs().max())

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from cuboid import CuboidStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from parity_lib import each_spec  # noqa: E402
+from parity_lib import LlamaModule, TokenDataset, each_spec  # noqa: E402
 
 SAMPLES = 96
 
@@ -68,11 +68,39 @@ class Stream(IterableDataset):
         self._resume = state["next"]
 
 
+class IdTokens(TokenDataset):
+    """The parity suite's token sequences, each with its id; every id asked for is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[int] = []
+
+    def __getitem__(self, i: int) -> dict:
+        self.read.append(int(i))
+        return {**super().__getitem__(i), "id": torch.tensor(i)}
+
+
+class LlamaIds(LlamaModule):
+    """The parity suite's Llama module, recording each step's batch ids on every rank (under pp the step runs per
+    microbatch on the last stage only, so the ids are taken when the batch arrives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[list[int]] = []
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self.ids.append(batch["id"].tolist())
+
+
 def make_loader(spec: dict):
-    """The train loader a spec names: ``map`` (a DataLoader, shuffled), ``stateful`` (torchdata's
+    """The train loader a spec names: ``map`` (a DataLoader, shuffled), ``llama`` (the same over the parity
+    suite's token sequences, for :class:`LlamaIds`), ``stateful`` (torchdata's
     StatefulDataLoader over the same map-style dataset) or ``stream`` (a StatefulDataLoader over :class:`Stream`).
     Returns the loader and the dataset that records what was read."""
     kind = spec.get("loader", "map")
+    if kind == "llama":
+        dataset = IdTokens()
+        return DataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
     if kind == "map":
         dataset = Counting(spec.get("samples", SAMPLES))
         return DataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
@@ -103,7 +131,7 @@ class Regressor(L.LightningModule):
 def run(spec: dict, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     loader, dataset = make_loader(spec)
-    module = Regressor()
+    module = LlamaIds() if spec.get("loader") == "llama" else Regressor()
     callbacks = []
     if spec.get("save_every"):
         callbacks.append(
@@ -135,8 +163,13 @@ def run(spec: dict, out: Path) -> None:
     read: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, module.ids)
     dist.all_gather_object(read, dataset.read)
-    params = {k: v.detach().full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
-              for k, v in module.state_dict().items()}  # fmt: skip
+    mine = {
+        k: v.detach().full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in module.state_dict().items()
+    }  # fmt: skip  (under pp, this rank's stage)
+    stages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, mine)
+    params = {k: v for stage in stages for k, v in stage.items()}
     if dist.get_rank() == 0:
         torch.save({"ids": ids, "read": read, "params": params, "error": error}, out / f"{spec['name']}.pt")
 
