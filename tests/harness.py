@@ -225,8 +225,11 @@ class ForkServer:
     """The client of ``tests/forkserver.py``: started at the first launch, stopped at the end of the session."""
 
     def __init__(self) -> None:
+        import threading
+
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
+        self._starting = threading.Lock()  # launches from several threads (replica groups) start one server
 
     def start(self) -> None:
         import tempfile
@@ -248,8 +251,9 @@ class ForkServer:
     def launch(self, nprocs: int, script: Path, args: list[str], timeout: float) -> Launch:
         """Run ``script`` on ``nprocs`` forked ranks; on a timeout, every process of the launch is stopped (SIGABRT
         first, so faulthandler prints their stacks, then SIGKILL)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
+        with self._starting:
+            if self.proc is None or self.proc.poll() is not None:
+                self.start()
         import json
         import tempfile
 
@@ -277,8 +281,9 @@ class ForkServer:
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str, str] | None:
         """``python ARGV`` forked from the server, in ``cwd`` with ``env``; its exit code, stdout and stderr, or
         None when the server cannot run it (the caller runs a fresh interpreter)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
+        with self._starting:
+            if self.proc is None or self.proc.poll() is not None:
+                self.start()
         import json
         import tempfile
 
