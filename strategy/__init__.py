@@ -21,6 +21,7 @@ from cuboid.fabric import CuboidStrategy as FabricCuboidStrategy
 from cuboid.job import RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
+from cuboid.replicas import FaultTolerance
 from cuboid.step import CuboidPrecision, NonFiniteError
 from cuboid.strategy import CuboidStrategy
 
@@ -35,6 +36,7 @@ __all__ = [
     "CommLedger",
     "ContextParallelError",
     "ExpertParallelError",
+    "FaultTolerance",
     "CuboidMonitor",
     "CuboidPrecision",
     "CuboidStrategy",

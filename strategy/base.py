@@ -284,8 +284,11 @@ class MeshCollectives:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """A sampler's split over the data-parallel ranks only: tp, cp and pp peers get the same batch."""
-        return {"num_replicas": self.dp_mesh.size(), "rank": self.dp_mesh.get_local_rank()}
+        """A sampler's split over the data-parallel ranks only: tp, cp and pp peers get the same batch. With
+        fault-tolerant replica groups, over every group's data-parallel ranks."""
+        size, rank = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+        replicas = getattr(self, "replicas", None)
+        return replicas.sampler_kwargs(size, rank) if replicas is not None else {"num_replicas": size, "rank": rank}
 
     @property
     def process_group_backend(self) -> str | None:

@@ -43,6 +43,7 @@ from cuboid.parallel import (
     with_loss_parallel,
 )
 from cuboid.pipeline import Pipelining, batch_and_index
+from cuboid.replicas import FaultTolerance, ReplicaGroups
 from cuboid.step import CuboidPrecision, LossParallel, NonFiniteGuard, plain_output
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         data_position: Where a mid-epoch resume starts: ``"exact"``, where the checkpoint was taken (on any dp
             degree for a loader Lightning deals with its ``DistributedSampler``; at the same degree for one that
             keeps per-rank state, another degree refused); ``"epoch"``, the interrupted epoch again from its start.
+        fault_tolerance: This job is one torchft replica group (:class:`cuboid.FaultTolerance` or its mapping):
+            gradients averaged over the live groups, a restarted group healed by a live one (``docs/fault-tolerance.md``).
         pretrained: Submodule -> weights to fill it with after sharding, e.g. ``{"model": "/ckpt/Llama-3.1-8B"}``: a
             Hugging Face directory, a ``.safetensors`` file or a Cuboid checkpoint. Build the submodule on meta and
             each rank reads only its slices; a mismatch stops setup before anything is loaded (``None`` ignored).
@@ -147,6 +150,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         async_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         data_position: Literal["exact", "epoch"] = "exact",
+        fault_tolerance: FaultTolerance | Mapping[str, Any] | None = None,
         pretrained: Mapping[str, str | Path | None] | None = None,
         weights_init: Literal["auto", "rank0", "local"] = "auto",
         preempt_on: Sequence[str] = ("SIGUSR1", "SIGTERM"),
@@ -182,6 +186,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.checkpointer.data_position = data_position
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
+        config = FaultTolerance.of(fault_tolerance)
+        self.replicas = ReplicaGroups(config, data_parallel_replicate) if config is not None else None
+        self.job_guard.shared_run = config.lighthouse if config is not None else None
         self.num_nodes = 1
         self.buffers = BufferBroadcast(broadcast_buffers)
 
@@ -256,15 +263,16 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
+        if fitting and self.replicas is not None:  # torchft's manager and the gradient average over groups
+            self.replicas.start(trainer, self)
 
     def _device_capacity(self) -> float | None:
         return device_bytes(self.root_device, self.cpu_offload)
 
     @staticmethod
     def _restored(trainer: pl.Trainer, lm: pl.LightningModule) -> set[str]:
-        """The names a checkpoint about to be loaded (``fit(ckpt_path=...)``, ``validate(ckpt_path=...)``, the main
-        job's ``auto``) fills: initialising them would be wasted, so they are not. Empty without a checkpoint, when
-        it is loaded leniently (``strict_loading=False``), or when the path cannot be told."""
+        """The names a checkpoint about to be loaded (``fit``'s or ``validate``'s ``ckpt_path``, the main job's
+        ``auto``) fills, left uninitialised. Empty without one, under ``strict_loading=False``, or unknown."""
         pending = compat.pending_checkpoint(trainer)
         if pending is None or pending is compat.UNKNOWN or not lm.strict_loading:
             return set()
@@ -323,6 +331,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pp > 1 the schedule runs forward and backward of every microbatch; the loss returned (the
         microbatch mean) is the same on every rank."""
+        if self.replicas is not None:
+            self.replicas.begin_step()
         if not self.pipelining.enabled:
             return self._plain_step(super().training_step, *args, **kwargs)
         batch, batch_idx = batch_and_index(args, kwargs)
@@ -375,6 +385,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.job_guard.teardown()  # first: a peer that finishes earlier must not look dead
         self.checkpointer.wait(raise_error=False)  # a failed background save was raised at the step after it
         self.job_guard.after_teardown()
+        if self.replicas is not None:
+            self.replicas.close()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

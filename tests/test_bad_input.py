@@ -28,9 +28,11 @@ from cuboid.parallel import sync_batchnorm
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
+from cuboid.replicas import FaultTolerance, ReplicaGroups
 
 ROOT = Path(__file__).resolve().parents[1]
 ERRORS_PAGE = ROOT / "docs" / "errors.md"  # the guide's common-errors page
+FT = {"lighthouse": "http://127.0.0.1:9", "replica_group": 0, "groups": 2}  # nothing listens on port 9 (discard)
 
 
 class _Wrapper(L.LightningModule):
@@ -276,6 +278,26 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         lambda: CuboidStrategy(data_position="step"),
         ValueError,
         "data_position='step'; choose 'exact'",
+    ),
+    "fault_tolerance with an unknown key": (
+        lambda: CuboidStrategy(fault_tolerance={**FT, "group": 1}),
+        ValueError,
+        r"fault_tolerance has unknown keys \['group'\]",
+    ),
+    "a replica group outside the groups": (
+        lambda: CuboidStrategy(fault_tolerance={**FT, "replica_group": 2}),
+        ValueError,
+        "replica_group=2 with groups=2",
+    ),
+    "fault_tolerance with data_parallel_replicate": (
+        lambda: CuboidStrategy(data_parallel_replicate=2, fault_tolerance=FT),
+        ValueError,
+        "set data_parallel_replicate=1 in each job",
+    ),
+    "a lighthouse that cannot be reached": (
+        lambda: ReplicaGroups(FaultTolerance(**FT)).probe(),
+        ConnectionError,
+        "the lighthouse at http://127.0.0.1:9 cannot be reached",
     ),
     "an unknown preemption signal": (
         lambda: CuboidStrategy(preempt_on=("SIGFOO",)),

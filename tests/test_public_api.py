@@ -33,6 +33,8 @@ PUBLIC = [
     "cuboid.experts.distribute_experts",
     "cuboid.context.ContextParallel",
     "cuboid.CheckpointDamaged",
+    "cuboid.FaultTolerance",
+    "cuboid.replicas.FaultTolerance",
     "cuboid.CheckpointError",
     "cuboid.PretrainedError",
     "cuboid.NonFiniteError",

@@ -173,22 +173,31 @@ class Checkpointer:
         # processed); a save at the epoch's end, after fit, or after max_steps stopped fit mid-epoch resumes with
         # the next epoch from its start, which must not be skipped into.
         mid_epoch = epoch.started > epoch.processed and not batches.is_last_batch
-        dp = trainer.strategy.distributed_sampler_kwargs
-        loader = trainer.train_dataloader
-        loaders = [type(getattr(one, "_loader", one)).__name__ for one in getattr(loader, "flattened", [loader])]
-        checkpoint["cuboid"] = {
-            "layout": layout_sizes,
-            "world_size": dist.get_world_size(),
-            "dp": dp["num_replicas"],
-            "loaders": loaders,
-            # batches of the current epoch already trained: a mid-epoch resume skips them
-            "batches_done_in_epoch": batches.current.processed if mid_epoch else 0,
-            # the samples of the epoch consumed over every dp rank: a resume on any dp degree starts there
-            "data_position": self._position(trainer, batches.current.processed) if mid_epoch else None,
-        }
-        if mid_epoch and checkpoint["cuboid"]["data_position"] is None:  # each dp rank's loader state, if kept
-            checkpoint["cuboid"]["loader_states"] = gather_loader_states(checkpoint, dp["rank"], loaders)
+        data = self.data_state(trainer, batches.current.processed if mid_epoch else 0)
+        checkpoint["cuboid"] = {"layout": layout_sizes, "world_size": dist.get_world_size(), **data}
+        if mid_epoch and data["data_position"] is None:  # each dp rank's loader state, if kept
+            dp_rank = trainer.strategy.distributed_sampler_kwargs["rank"]
+            checkpoint["cuboid"]["loader_states"] = gather_loader_states(checkpoint, dp_rank, data["loaders"])
         self.write(path, module, optimizers, checkpoint, mesh)
+
+    def data_state(self, trainer: Any, done: int) -> dict[str, Any]:
+        """Where the data stands ``done`` batches into the epoch (0: at its start), for a checkpoint or a heal:
+        the dp degree, the loaders, the batches done (a mid-epoch resume skips them) and the samples consumed
+        over every dp rank (a resume on any dp degree starts there). No collective."""
+        loader = trainer.train_dataloader
+        return {
+            "dp": trainer.strategy.distributed_sampler_kwargs["num_replicas"],
+            "loaders": [type(getattr(one, "_loader", one)).__name__ for one in getattr(loader, "flattened", [loader])],
+            "batches_done_in_epoch": done,
+            "data_position": save_position(trainer, done, self._resumed_at) if done else None,
+        }
+
+    def resume_data(self, state: dict[str, Any], dp: tuple[int, int]) -> None:
+        """Take a data state (:meth:`data_state`, a live replica group's) as a checkpoint's: the next train loader
+        starts there. ``dp``: this rank's data-parallel rank and the degree."""
+        self.dp = dp
+        self._resume_skip, self._restart_epoch = plan_resume({"cuboid": state}, self.data_position, *dp)
+        self._resume_position = state.get("data_position")
 
     def write(
         self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], state: dict[str, Any], mesh: Any
@@ -290,10 +299,6 @@ class Checkpointer:
             )
             return meta
         raise damaged
-
-    def _position(self, trainer: Any, batches_done: int) -> dict[str, Any] | None:
-        """The data position of a mid-epoch save, for a loader Lightning deals with a ``DistributedSampler``."""
-        return save_position(trainer, batches_done, self._resumed_at)
 
     def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
         """The train loader for this run (:func:`~cuboid.checkpoint.resume.plan_resume` says which case): one

@@ -52,6 +52,9 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         assert self.model is not None and self.lightning_module is not None
+        replicas = getattr(self, "replicas", None)
+        if replicas is not None and not replicas.writes_checkpoints:  # one replica group writes, the others skip
+            return
         path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
         self.buffers.sync()
         self.checkpointer.save(
@@ -72,10 +75,16 @@ class CheckpointHooks:
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        replicas = getattr(self, "replicas", None)
+        if replicas is not None and not replicas.writes_checkpoints:
+            return
         self.checkpointer.remove(Path(filepath))
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        replicas = getattr(self, "replicas", None)
+        if replicas is not None and trainer is not None and trainer.training:
+            replicas.join()  # fault-tolerant replica groups: a group behind the others heals (data position too)
         return self.checkpointer.resume_loader(dataloader, trainer)

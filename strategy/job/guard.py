@@ -30,6 +30,7 @@ class JobGuard:
             raise ValueError(f"flight_recorder={flight_recorder}: a number of entries >= 0 (0 turns it off).")
         self.flight_recorder = flight_recorder
         self.dump_dir: Path | None = None
+        self.shared_run: str | None = None  # fault-tolerant replica groups share checkpoint directories (RunLock)
         self.host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
         self.watchdog: PeerWatchdog | None = None
         self.stop: stopping.StopAgreement | None = None
@@ -84,7 +85,7 @@ class JobGuard:
         problem = None
         if trainer.is_global_zero:
             for directory in dirs:
-                lock = RunLock(directory)
+                lock = RunLock(directory, run=self.shared_run)
                 try:
                     lock.acquire()
                 except RunDirectoryBusy as err:

@@ -44,10 +44,16 @@ def job_id() -> str | None:
 
 
 class RunLock:
-    def __init__(self, directory: str | Path, stale_after: float = 120.0, refresh: float = 30.0) -> None:
+    def __init__(
+        self, directory: str | Path, stale_after: float = 120.0, refresh: float = 30.0, run: str | None = None
+    ) -> None:
+        """``run``: a run several jobs make together (fault-tolerant replica groups: their lighthouse); a job of the
+        same run finds the directory shared, not busy."""
         self.path = Path(directory) / LOCK_NAME
         self.stale_after, self.refresh = stale_after, refresh
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time()}
+        if run is not None:
+            self.me["run"] = run
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.held = False
@@ -59,6 +65,8 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder, age = self._read()
+            if holder and self.me.get("run") and holder.get("run") == self.me["run"] and age <= self.stale_after:
+                return  # another job of the same run holds it: shared, and refreshed by that job
             why = self._gone(holder, age)
             if why is None:
                 raise RunDirectoryBusy(self._busy_message(holder, age)) from None

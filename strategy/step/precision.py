@@ -55,6 +55,7 @@ class PrecisionPolicy:
         self.last_grad_norm: torch.Tensor | None = None
         self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
         self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
+        self.commit: Callable[[], bool] | None = None  # fault-tolerant replica groups: may this step commit?
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -100,10 +101,15 @@ class CuboidPrecision(PrecisionPolicy, Precision):
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's order (closure: step and backward; then ``on_before_optimizer_step`` and clipping), with the
-        non-finite check (``nonfinite=``) between the closure and the optimizer step when it is on."""
-        if not self.nonfinite.enabled:
+        replica groups' commit and the non-finite check (``nonfinite=``) between the closure and the optimizer step
+        when they are on."""
+        if not self.nonfinite.enabled and self.commit is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         loss = self._wrap_closure(model, optimizer, closure)
+        if self.commit is not None and not self.commit():  # a replica group failed inside it: no group steps
+            return loss
+        if not self.nonfinite.enabled:
+            return optimizer.step(**kwargs)
         norm = self.last_grad_norm
         if model.trainer.gradient_clip_val is None:  # not clipped: nothing measured the norm yet
             params = [p for group in optimizer.param_groups for p in group["params"]]

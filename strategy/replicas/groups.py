@@ -1,0 +1,272 @@
+"""Fault-tolerant replica groups: each data-parallel replica is its own job, and the jobs keep training when one of
+them dies (torchft, PyTorch's fault-tolerance library).
+
+Inside a group everything is as without it: FSDP over ``dp_shard`` (and tp, pp, cp, ep as set) on the group's own
+processes and process groups. Across groups, torchft's ``Manager`` does three things each optimizer step:
+
+1. **A quorum** over the lighthouse before the step (torchft's ``start_quorum``): which groups take part. A group
+   that is behind (just started or restarted) *heals* here from a live peer: it receives the peer's model shards,
+   optimizer state, Lightning loop counters and data position over HTTP, rank for rank (the same layout in every
+   group, so rank ``r`` of one group holds what rank ``r`` of another holds), and carries on from the peer's step.
+2. **The gradient average** over the groups that take part, after FSDP's reduce-scatter inside the group (FSDP's
+   all-reduce hook, through torchft's reconfigurable process group): what HSDP's replicate all-reduce does.
+3. **A commit** before the optimizer step (``should_commit``): every group steps, or none does; a step whose
+   average failed (a group died inside it) is dropped by all.
+
+The data: Lightning's ``DistributedSampler`` is dealt over ``groups x dp`` slots, group ``g`` taking slots
+``g * dp .. g * dp + dp - 1``, so the groups read different samples as HSDP's replicas do. While a group is dead,
+its slots' samples of those steps are not trained (they are lost, not handed to the live groups); a group that
+heals resumes at the peer's data position, on its own slots.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where a job's replica group stands among the others.
+
+    Args:
+        lighthouse: The torchft lighthouse every group talks to, e.g. ``"http://node0:29510"`` (start it with
+            ``torchft_lighthouse --min_replicas 1``; ``docs/fault-tolerance.md``).
+        replica_group: This job's group, ``0 .. groups - 1``; a restarted group keeps its number.
+        groups: How many groups the data is divided over (the jobs you start).
+        min_replicas: The fewest groups a step may commit with.
+        timeout: Seconds for an average over groups and for a heal before the step is dropped.
+        quorum_timeout: Seconds to wait for a quorum.
+    """
+
+    lighthouse: str
+    replica_group: int
+    groups: int
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 120.0
+
+    @classmethod
+    def of(cls, value: FaultTolerance | Mapping[str, Any] | None) -> FaultTolerance | None:
+        """``value`` as a :class:`FaultTolerance` (a mapping from a Hydra config, or one already), checked; None
+        stays None."""
+        if value is None or isinstance(value, FaultTolerance):
+            config = value
+        else:
+            unknown = sorted(set(value) - {f.name for f in fields(cls)})
+            if unknown:
+                raise ValueError(
+                    f"fault_tolerance has unknown keys {unknown}; it takes lighthouse, replica_group, groups, "
+                    "min_replicas, timeout and quorum_timeout."
+                )
+            config = cls(**dict(value))
+        if config is not None:
+            config.check()
+        return config
+
+    def check(self) -> None:
+        if not 0 <= self.replica_group < self.groups:
+            raise ValueError(
+                f"fault_tolerance: replica_group={self.replica_group} with groups={self.groups}; number the groups "
+                f"0 .. {self.groups - 1}, one per job."
+            )
+        if not 1 <= self.min_replicas <= self.groups:
+            raise ValueError(f"fault_tolerance: min_replicas={self.min_replicas} must be 1 .. groups={self.groups}.")
+        if not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"fault_tolerance: lighthouse={self.lighthouse!r} is not an address; give it as torchft_lighthouse "
+                "prints it, e.g. 'http://node0:29510'."
+            )
+
+
+def _local(value: Any) -> Any:
+    """A state with every DTensor replaced by this rank's shard (a copy): what travels to the peer's same rank."""
+    if hasattr(value, "to_local"):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _like(value: Any, template: Any) -> Any:
+    """``value`` (local shards) shaped like ``template``: a DTensor's shard wrapped with the template's placement."""
+    if hasattr(template, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        local = value.to(template.to_local().device)
+        return DTensor.from_local(
+            local, template.device_mesh, template.placements, shape=template.shape, stride=template.stride()
+        )
+    return value.to(template.device) if isinstance(template, torch.Tensor) else value
+
+
+class ReplicaGroups:
+    """This job's replica group: torchft's manager, the gradient average over groups, the commit, the heal."""
+
+    def __init__(self, config: FaultTolerance, data_parallel_replicate: int = 1) -> None:
+        if data_parallel_replicate != 1:
+            raise ValueError(
+                f"fault_tolerance with data_parallel_replicate={data_parallel_replicate}: the replicas are the "
+                f"replica groups (groups={config.groups}, one job each); set data_parallel_replicate=1 in each job."
+            )
+        self.config = config
+        self.manager: Any = None
+        self._quorum_open = False
+        self._trainer: Any = None
+        self._strategy: Any = None
+        self._joined = False
+
+    # --- the layout and the data ------------------------------------------------------------------------------
+    def sampler_kwargs(self, dp_size: int, dp_rank: int) -> dict[str, int]:
+        """Lightning's ``DistributedSampler`` over every group's dp slots, this rank on its group's."""
+        return {"num_replicas": self.config.groups * dp_size, "rank": self.config.replica_group * dp_size + dp_rank}
+
+    # --- set-up: the manager and the hooks; the first quorum when the train loader is made -------------------
+    def probe(self) -> None:
+        """Fail now, naming the address, when the lighthouse cannot be reached (its dashboard answers HTTP)."""
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            opener.open(self.config.lighthouse, timeout=min(self.config.timeout, 10.0)).close()
+        except OSError as err:
+            raise ConnectionError(
+                f"fault_tolerance: the lighthouse at {self.config.lighthouse} cannot be reached ({err}). Start it "
+                "first (torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000, docs/fault-tolerance.md) and "
+                "give the address it prints. Nothing was trained."
+            ) from None
+
+    def start(self, trainer: Any, strategy: Any) -> None:
+        from torchft import Manager
+
+        self.probe()
+        self._trainer, self._strategy = trainer, strategy
+        modules = [m for m in strategy.lightning_module.modules() if callable(getattr(m, "set_all_reduce_hook", None))]
+        if not modules:
+            raise ValueError(
+                "fault_tolerance averages gradients over replica groups through FSDP's all-reduce hook, and this "
+                "model has no FSDP module: use data_parallel_shard >= 1 with Cuboid's own sharding (no hand-made "
+                "configure_model without fully_shard)."
+            )
+        timeout = timedelta(seconds=self.config.timeout)
+        self.manager = Manager(
+            pg=self._process_group(timeout),
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=self.config.min_replicas,
+            use_async_quorum=False,  # heal before the step's forward; the quorum is what waits, not the GPU
+            replica_id=f"cuboid_{self.config.replica_group}",
+            lighthouse_addr=self.config.lighthouse,
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.config.quorum_timeout),
+            connect_timeout=timeout,
+        )
+        for module in modules:
+            module.set_all_reduce_hook(self._average)
+        strategy.precision_plugin.commit = self.commit
+        self._joined = False
+
+    def join(self) -> None:
+        """The first step's quorum, when the train loader is about to be made (after ``on_fit_start``): a group
+        that starts or restarts behind the others heals here, so its loader starts at the live group's data
+        position. Groups whose managers are up by then (every group's is made in ``setup``) start in one quorum."""
+        if self.manager is None or self._joined:
+            return
+        self._joined = True
+        self.begin_step()
+        rank_zero_info(
+            f"Cuboid: replica group {self.config.replica_group} of {self.config.groups} joins at step "
+            f"{self._trainer.global_step} with {self.manager.num_participants()} group(s) in the quorum"
+        )
+
+    @staticmethod
+    def _process_group(timeout: timedelta) -> Any:
+        if torch.cuda.is_available():
+            from torchft.process_group import ProcessGroupNCCL
+
+            return ProcessGroupNCCL(timeout=timeout)
+        from torchft.process_group import ProcessGroupGloo
+
+        return ProcessGroupGloo(timeout=timeout)
+
+    # --- each step ----------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before a step's first forward: the quorum of the groups taking part (once per optimizer step)."""
+        if not self._quorum_open:
+            self.manager.start_quorum()
+            self._quorum_open = True
+
+    def _average(self, grad: torch.Tensor) -> None:
+        self.manager.allreduce(grad).wait()  # sum over the groups taking part, divided by their number
+
+    def commit(self) -> bool:
+        """After backward, before the optimizer step: True when every group of the quorum may step."""
+        self._quorum_open = False
+        return bool(self.manager.should_commit())
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the checkpoints: the first group of the step's quorum (every group of the
+        quorum agrees on it), so one group writes them while it lives and another takes over when it dies."""
+        return self.manager is not None and self.manager.participating_rank() == 0
+
+    @property
+    def participants(self) -> int:
+        return int(self.manager.num_participants()) if self.manager is not None else 0
+
+    # --- the heal: what a peer sends, and taking it ----------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        trainer, strategy = self._trainer, self._strategy
+        lm = strategy.lightning_module
+        return {
+            "model": _local(nn.Module.state_dict(lm)),
+            "optimizers": [_local(opt.state_dict()) for opt in strategy.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs],
+            "fit_loop": trainer.fit_loop.state_dict(),
+            "data": strategy.checkpointer.data_state(
+                trainer, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            ),
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        trainer, strategy = self._trainer, self._strategy
+        lm = strategy.lightning_module
+        own = nn.Module.state_dict(lm, keep_vars=True)
+        with torch.no_grad():
+            for name, value in state["model"].items():
+                target = own[name]
+                (target.to_local() if hasattr(target, "to_local") else target).copy_(value)
+        for opt, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            saved["state"] = {i: {k: _like(v, params[i]) if torch.is_tensor(v) and v.dim() else v
+                                  for k, v in s.items()} for i, s in saved["state"].items()}  # fmt: skip
+            opt.load_state_dict(saved)
+        for config, saved in zip(strategy.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        trainer.fit_loop.load_state_dict(state["fit_loop"])
+        sampler = strategy.distributed_sampler_kwargs
+        strategy.checkpointer.resume_data(state["data"], (sampler["rank"], sampler["num_replicas"]))
+        rank_zero_info(
+            f"Cuboid: replica group {self.config.replica_group} healed from a live group at step "
+            f"{trainer.global_step}: weights, optimizer and scheduler state, loop counters and data position"
+        )
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None

@@ -1,0 +1,135 @@
+"""Fault-tolerant replica groups (torchft) on CPU: two groups of two ranks (FSDP over each group's two), one
+lighthouse. Group 1 is killed at step 5; group 0 keeps its processes and steps on alone; group 1, started again,
+heals from group 0 at a later step and both finish at ``max_steps`` with the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import WORKERS, launch
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow  # five launches of two groups
+
+MAX_STEPS, DIE_AT = 16, 5
+
+
+def _lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "error")  # the lighthouse logs every quorum request otherwise
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=3000)
+
+
+def _records(out: Path, name: str, rank: int = 0) -> list[dict]:
+    path = out / f"{name}.rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _run_groups(specs: list[dict]) -> list:
+    """Launch each spec's group at once (each its own job: its own ranks, store and process groups)."""
+    results: list = [None] * len(specs)
+
+    def one(i: int) -> None:
+        results[i] = launch(2, WORKERS / "replicas_worker.py", str(specs[i]["out"]), json.dumps(specs[i]["spec"]),
+                            timeout=400)  # fmt: skip
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("replicas")
+    lighthouse = _lighthouse()
+    try:
+        base = {"groups": 2, "lighthouse": lighthouse.address()}
+        # no failure: both groups, a few steps (the losses before the failure must equal these)
+        (out / "calm").mkdir()
+        (out / "start").mkdir()
+        calm = _run_groups([{"out": out, "spec": {**base, "name": f"calm{g}", "group": g, "max_steps": DIE_AT + 1,
+                                                  "start_with": str(out / "calm")}} for g in (0, 1)])  # fmt: skip
+        rejoined, start = str(out / "rejoined"), str(out / "start")
+        ckpt = str(out / "ckpt")
+        live = {**base, "name": "live0", "group": 0, "max_steps": MAX_STEPS, "slow_after": DIE_AT, "until": rejoined,
+                "start_with": start, "ckpt": ckpt}  # fmt: skip
+        dead = {**base, "name": "dead1", "group": 1, "max_steps": MAX_STEPS, "die_at": DIE_AT, "start_with": start,
+                "ckpt": ckpt}  # fmt: skip
+        again = {**base, "name": "again1", "group": 1, "max_steps": MAX_STEPS, "rejoined": rejoined, "ckpt": ckpt}
+        results: dict = {}
+
+        def group0() -> None:
+            results["live0"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(live), timeout=400)
+
+        t0 = threading.Thread(target=group0)
+        t0.start()
+        results["dead1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(dead), timeout=400)
+        deadline = time.monotonic() + 120  # group 1 comes back once group 0 has stepped alone twice
+        while sum(r["groups"] == 1 for r in _records(out, "live0")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        results["again1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(again), timeout=400)
+        t0.join()
+    finally:
+        lighthouse.shutdown()
+    return {"out": out, "calm": calm, **results}
+
+
+def test_the_killed_group_dies_at_its_step_and_the_live_group_keeps_its_processes_and_steps_on(runs) -> None:
+    out = runs["out"]
+    assert not runs["dead1"].ok and "SIGKILL" in runs["dead1"].message(), runs["dead1"].message()
+    assert [r["step"] for r in _records(out, "dead1")] == list(range(DIE_AT))
+    assert runs["live0"].ok, runs["live0"].message()
+    for rank in (0, 1):
+        live = _records(out, "live0", rank)
+        assert [r["step"] for r in live] == list(range(MAX_STEPS)) and len({r["pid"] for r in live}) == 1
+    groups = [r["groups"] for r in _records(out, "live0")]
+    assert groups[:DIE_AT] == [2] * DIE_AT and 1 in groups[DIE_AT:], groups  # alone for a while after the kill
+
+
+def test_a_restarted_group_heals_from_the_live_one_at_a_later_step_and_both_end_with_the_same_weights(runs):
+    out = runs["out"]
+    assert runs["again1"].ok, runs["again1"].message()
+    again, live = _records(out, "again1"), _records(out, "live0")
+    first = again[0]["step"]
+    assert first > DIE_AT and [r["step"] for r in again] == list(range(first, MAX_STEPS)), [r["step"] for r in again]
+    assert all(r["groups"] == 2 for r in again) and [r["groups"] for r in live][first:] == [2] * (MAX_STEPS - first)
+    a, b = torch.load(out / "live0.pt", weights_only=False), torch.load(out / "again1.pt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == MAX_STEPS and a["optimizer_steps"] == b["optimizer_steps"]
+    assert sorted(a["params"]) == sorted(b["params"])
+    for key, value in a["params"].items():
+        assert torch.equal(value, b["params"][key]), key
+    # the healed group trains its own slots of the data from the live group's position: no sample twice per step
+    for step in range(first, MAX_STEPS):
+        ids = [i for name in ("live0", "again1") for rank in (0, 1)
+               for r in _records(out, name, rank) if r["step"] == step for i in r["ids"]]  # fmt: skip
+        assert len(ids) == 8 and len(set(ids)) == 8, (step, ids)
+
+
+def test_the_losses_before_the_failure_are_the_failure_free_runs(runs) -> None:
+    out = runs["out"]
+    assert all(r.ok for r in runs["calm"]), [r.message() for r in runs["calm"] if not r.ok]
+    calm = [r["loss"] for r in _records(out, "calm0")][:DIE_AT]
+    live = [r["loss"] for r in _records(out, "live0")][:DIE_AT]
+    assert len(calm) == DIE_AT and live == calm, (live, calm)
+
+
+def test_one_group_writes_each_checkpoint_and_every_one_verifies(runs) -> None:
+    """Every group has the same ModelCheckpoint into one directory; the first group of each step's quorum writes
+    (two groups writing the same checkpoint would collide), and each checkpoint verifies against its checksums."""
+    from cuboid.checkpoint.sharded import verify_checkpoint
+
+    found = sorted((runs["out"] / "ckpt").glob("step=*.ckpt"))
+    assert [p.name for p in found] == [f"step={s}.ckpt" for s in (12, 16, 4, 8)], found
+    for path in found:
+        verify_checkpoint(path)
