@@ -111,6 +111,20 @@ def _like(value: Any, template: Any) -> Any:
     return value.to(template.device) if isinstance(template, torch.Tensor) else value
 
 
+def fsdp_modules(strategy: Any) -> list[nn.Module]:
+    """Every FSDP module of this rank: the LightningModule's and, under pp, its pipeline stages' (a stage's own
+    root, which holds the embeddings, the final norm and the output, is not among the LightningModule's)."""
+    found: dict[int, nn.Module] = {}
+    roots = [strategy.lightning_module]
+    runner = getattr(strategy.pipelining, "runner", None) if strategy.pipelining.enabled else None
+    roots += [stage.submod for stage in getattr(runner, "stages", [])]
+    for root in roots:
+        for module in root.modules():
+            if callable(getattr(module, "set_all_reduce_hook", None)):
+                found.setdefault(id(module), module)
+    return list(found.values())
+
+
 class ReplicaGroups:
     """This job's replica group: torchft's manager, the gradient average over groups, the commit, the heal."""
 
@@ -152,7 +166,7 @@ class ReplicaGroups:
 
         self.probe()
         self._trainer, self._strategy = trainer, strategy
-        modules = [m for m in strategy.lightning_module.modules() if callable(getattr(m, "set_all_reduce_hook", None))]
+        modules = fsdp_modules(strategy)
         if not modules:
             raise ValueError(
                 "fault_tolerance averages gradients over replica groups through FSDP's all-reduce hook, and this "

@@ -1,6 +1,7 @@
-"""Fault-tolerant replica groups (torchft) on CPU: two groups of two ranks (FSDP over each group's two), one
-lighthouse. Group 1 is killed at step 5; group 0 keeps its processes and steps on alone; group 1, started again,
-heals from group 0 at a later step and both finish at ``max_steps`` with the same weights."""
+"""Fault-tolerant replica groups (torchft) on CPU: two groups of two ranks, one lighthouse, and inside each group
+FSDP over its two ranks, or tp2, or pp2. Group 1 is killed at step 5; group 0 keeps its processes and steps on
+alone; group 1, started again, heals from group 0 at a later step and both finish at ``max_steps`` with the same
+weights."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 from harness import WORKERS, launch
 
 pytest.importorskip("torchft")
-pytestmark = pytest.mark.slow  # five launches of two groups
+pytestmark = pytest.mark.slow  # five launches of two groups per layout
 
 MAX_STEPS, DIE_AT = 16, 5
+# inside each group: the CuboidStrategy arguments, and the data-parallel degree (ranks reading their own batch)
+LAYOUTS = {"dp2": ({}, 2), "tp2": ({"tensor_parallel": 2}, 1), "pp2": ({"pipeline_parallel": 2, "microbatches": 2}, 1)}
 
 
 def _lighthouse():
@@ -49,12 +52,12 @@ def _run_groups(specs: list[dict]) -> list:
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("replicas")
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp(f"replicas-{request.param}")
     lighthouse = _lighthouse()
     try:
-        base = {"groups": 2, "lighthouse": lighthouse.address()}
+        base = {"groups": 2, "lighthouse": lighthouse.address(), "strategy": LAYOUTS[request.param][0]}
         # no failure: both groups, a few steps (the losses before the failure must equal these)
         (out / "calm").mkdir()
         (out / "start").mkdir()
@@ -82,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         t0.join()
     finally:
         lighthouse.shutdown()
-    return {"out": out, "calm": calm, **results}
+    return {"out": out, "calm": calm, "dp": LAYOUTS[request.param][1], **results}
 
 
 def test_the_killed_group_dies_at_its_step_and_the_live_group_keeps_its_processes_and_steps_on(runs) -> None:
@@ -109,11 +112,12 @@ def test_a_restarted_group_heals_from_the_live_one_at_a_later_step_and_both_end_
     assert sorted(a["params"]) == sorted(b["params"])
     for key, value in a["params"].items():
         assert torch.equal(value, b["params"][key]), key
-    # the healed group trains its own slots of the data from the live group's position: no sample twice per step
+    # the healed group trains its own slots of the data from the live group's position: the two groups' samples
+    # of a step are disjoint (a group's tp or pp peers share theirs)
     for step in range(first, MAX_STEPS):
-        ids = [i for name in ("live0", "again1") for rank in (0, 1)
-               for r in _records(out, name, rank) if r["step"] == step for i in r["ids"]]  # fmt: skip
-        assert len(ids) == 8 and len(set(ids)) == 8, (step, ids)
+        live_ids, again_ids = ({i for rank in (0, 1) for r in _records(out, name, rank) if r["step"] == step
+                                for i in r["ids"]} for name in ("live0", "again1"))  # fmt: skip
+        assert len(live_ids) == len(again_ids) == 2 * runs["dp"] and not live_ids & again_ids, (step, live_ids)
 
 
 def test_the_losses_before_the_failure_are_the_failure_free_runs(runs) -> None:

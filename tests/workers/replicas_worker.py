@@ -95,7 +95,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=CuboidStrategy(fault_tolerance=ft, timeout=timedelta(seconds=60)),
+        strategy=CuboidStrategy(fault_tolerance=ft, timeout=timedelta(seconds=60), **spec.get("strategy", {})),
         max_steps=spec["max_steps"],
         logger=False,
         enable_progress_bar=False,
@@ -105,7 +105,10 @@ def main() -> None:
     )
     module = LlamaScheduled()
     trainer.fit(module, DataLoader(IdTokens(), batch_size=2, shuffle=True))
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+    mine = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+    stages: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, mine)  # under pp each rank holds its stage's weights
+    full = {k: v for stage in stages for k, v in stage.items()}
     opt = trainer.optimizers[0]
     steps = {int(s["step"]) for s in opt.state.values() if "step" in s}
     if trainer.global_rank == 0:
