@@ -137,3 +137,42 @@ def test_one_group_writes_each_checkpoint_and_every_one_verifies(runs) -> None:
     assert [p.name for p in found] == [f"step={s}.ckpt" for s in (12, 16, 4, 8)], found
     for path in found:
         verify_checkpoint(path)
+
+
+def _batches(out: Path, step: int, dp: int, groups: int) -> list[list[int]]:
+    """The batches the live groups trained at ``step``, one per data-parallel rank (a group's tp or pp peers
+    share theirs): group 0 from its one run, group 1 from whichever of its runs trained that step."""
+    found = [[r["ids"] for rank in range(dp) for r in _records(out, "live0", rank) if r["step"] == step]]
+    if groups == 2:
+        found.append([r["ids"] for name in ("dead1", "again1") for rank in range(dp)
+                      for r in _records(out, name, rank) if r["step"] == step])  # fmt: skip
+    return [batch for group in found for batch in group]
+
+
+def test_the_whole_run_is_one_process_replaying_its_quorum_history(runs) -> None:
+    """One process, the same initial weights, AdamW and schedule: at each step, the mean of the losses of the batches
+    every live group's data-parallel ranks trained (what FSDP's mean inside a group and torchft's mean over the
+    groups make). Every step's loss on group 0's rank 0 and the final weights match within the parity bound."""
+    from parity_lib import ADAMW, TokenDataset, initial_model, step_loss
+
+    out, dp, data = runs["out"], runs["dp"], TokenDataset()  # the workers' samples, without their ids
+    model = initial_model()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+    live = _records(out, "live0")
+    assert [r["step"] for r in live] == list(range(MAX_STEPS))
+    for record in live:
+        batches = _batches(out, record["step"], dp, record["groups"])
+        assert len(batches) == dp * record["groups"], (record, batches)
+        losses = [step_loss(model, torch.stack([data[i]["tokens"] for i in ids])) for ids in batches]
+        assert abs(losses[0].item() - record["loss"]) <= 1e-5 * abs(record["loss"]), (record, losses[0].item())
+        opt.zero_grad()
+        torch.stack(losses).mean().backward()
+        opt.step()
+        decay.step()
+    got = torch.load(out / "live0.pt", weights_only=False)["params"]
+    for name, value in model.state_dict().items():
+        assert torch.allclose(got[f"model.{name}"], value, rtol=0, atol=1e-5), (
+            name,
+            (got[f"model.{name}"] - value).abs().max(),
+        )
