@@ -138,6 +138,9 @@ class CommLedger(L.Callback):
             mesh = None
         experts = getattr(trainer.strategy, "experts_layout", None)
         self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
+        replicas = getattr(trainer.strategy, "replicas", None)
+        if replicas is not None:  # torchft's process group over the replica groups: unnamed in the recorder
+            self._groups.setdefault("", ("replica_groups", replicas.config.groups))
         self.setup_table = _tally(entries_after(entries, self._setup_from), self._groups)
         if self.per_step and mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist

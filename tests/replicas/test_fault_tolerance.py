@@ -176,3 +176,12 @@ def test_the_whole_run_is_one_process_replaying_its_quorum_history(runs) -> None
             name,
             (got[f"model.{name}"] - value).abs().max(),
         )
+
+
+def test_the_ledger_books_the_average_over_groups_as_the_parameter_shards_bytes(runs) -> None:
+    """CommLedger books torchft's all-reduces under ``replica_groups``: on a step with both groups, each rank sends
+    its gradient shards once, the bytes of its own parameter shards."""
+    live = torch.load(runs["out"] / "live0.pt", weights_only=False)
+    last = live["comm"][-1]
+    assert "replica_groups" in last, last
+    assert last["replica_groups"]["all_reduce"][1] == live["shard_bytes"], (last, live["shard_bytes"])

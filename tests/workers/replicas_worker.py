@@ -4,7 +4,7 @@ with ``CuboidStrategy(fault_tolerance=...)`` against a lighthouse the test runs.
 Launched by the test (``replicas_worker.py OUT SPEC_JSON``), one launch per group and per (re)start. Every rank
 appends one JSON line per step to ``OUT/<name>.rank<r>.jsonl`` as it goes (a killed group leaves its lines): the
 step, the groups in the quorum, the process id, the loss, the sample ids. Rank 0 writes ``OUT/<name>.pt`` at the
-end: the full weights and the optimizer's step count.
+end: the full weights, the optimizer's step count, CommLedger's tables and the bytes of its own parameter shards.
 
 Spec keys: ``group``, ``groups``, ``lighthouse``, ``max_steps``; ``die_at`` (every rank of this group kills itself
 with SIGKILL when that step starts); ``slow_after`` and ``until`` (after that step, each step waits 0.5 s while the
@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from cuboid import CuboidStrategy
+from cuboid import CommLedger, CuboidStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,6 +88,8 @@ def main() -> None:
     ft = {"lighthouse": spec["lighthouse"], "replica_group": spec["group"], "groups": spec["groups"],
           "timeout": 20, "quorum_timeout": 60}  # fmt: skip
     callbacks: list = [Recorder(spec, out)]
+    ledger = CommLedger(log=False)
+    callbacks.append(ledger)
     if spec.get("ckpt"):  # every group has the callback; one group writes
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=spec["ckpt"], every_n_train_steps=4,
                                                              save_top_k=-1, filename="step={step}",
@@ -109,11 +111,13 @@ def main() -> None:
     stages: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(stages, mine)  # under pp each rank holds its stage's weights
     full = {k: v for stage in stages for k, v in stage.items()}
+    shard_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in module.parameters())
     opt = trainer.optimizers[0]
     steps = {int(s["step"]) for s in opt.state.values() if "step" in s}
     if trainer.global_rank == 0:
         torch.save({"params": full, "optimizer_steps": steps, "global_step": trainer.global_step,
-                    "pid": os.getpid()}, out / f"{spec['name']}.pt")  # fmt: skip
+                    "pid": os.getpid(), "comm": ledger.steps, "shard_bytes": shard_bytes},
+                   out / f"{spec['name']}.pt")  # fmt: skip
 
 
 if __name__ == "__main__":
