@@ -140,6 +140,8 @@ class ReplicaGroups:
         self._trainer: Any = None
         self._strategy: Any = None
         self._joined = False
+        self._overlap = False
+        self._pending: list[Any] = []
 
     # --- the layout and the data ------------------------------------------------------------------------------
     def sampler_kwargs(self, dp_size: int, dp_rank: int) -> dict[str, int]:
@@ -193,6 +195,8 @@ class ReplicaGroups:
         for module in modules:
             module.set_all_reduce_hook(self._average)
         strategy.precision_plugin.commit = self.commit
+        strategy.precision_plugin.settle = self.settle
+        self._overlap = not strategy.pipelining.enabled  # under pp, backward runs inside the schedule
         self._joined = False
 
     def join(self) -> None:
@@ -226,10 +230,23 @@ class ReplicaGroups:
             self._quorum_open = True
 
     def _average(self, grad: torch.Tensor) -> None:
-        self.manager.allreduce(grad).wait()  # sum over the groups taking part, divided by their number
+        """FSDP's all-reduce hook: the shard's sum over the groups taking part, divided by their number. Without pp
+        it runs while backward goes on (:meth:`settle` waits for it before clipping); under pp, at once."""
+        work = self.manager.allreduce(grad)
+        if self._overlap:
+            self._pending.append(work)
+        else:
+            work.wait()
+
+    def settle(self) -> None:
+        """After backward: wait for every average over groups still running (the gradients are final after it)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
 
     def commit(self) -> bool:
         """After backward, before the optimizer step: True when every group of the quorum may step."""
+        self.settle()
         self._quorum_open = False
         return bool(self.manager.should_commit())
 
