@@ -167,6 +167,9 @@ class ReplicaGroups:
         from torchft import Manager
 
         self.probe()
+        import logging
+
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per step otherwise; Cuboid says joins, heals
         self._trainer, self._strategy = trainer, strategy
         modules = fsdp_modules(strategy)
         if not modules:
