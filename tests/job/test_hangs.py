@@ -1,12 +1,16 @@
 """Runs that would hang: a rank stuck outside any collective, uneven batch counts. Each must end on every rank,
-with a message, and leave no process behind."""
+with a message, and leave no process behind.
+
+The stuck rank runs under a real torchrun, watched for every process below it (the watchdog's kill is what it
+tests); the uneven counts are Cuboid's checks inside the Trainer, so their ranks are forked from the suite's fork
+server (``harness.launch``: each rank a real process in a TorchElastic environment, without the imports)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from harness import WORKERS, launch_and_watch, running, torchrun_cmd
+from harness import WORKERS, launch, launch_and_watch, running, torchrun_cmd
 
 
 def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tuple[int, str, float, dict[int, dict]]:
@@ -16,6 +20,14 @@ def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tu
     ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)
              if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
     return code, out, closed, ranks
+
+
+def _forked_run(tmp_path, scenario: str) -> tuple[list[int | None], str, dict[int, dict]]:
+    ran = launch(2, WORKERS / "fault_worker.py", str(tmp_path), scenario, timeout=150)
+    assert not ran.timed_out, ran.message()
+    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
+             if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
+    return ran.codes, ran.out, ranks
 
 
 @pytest.mark.alone  # its seconds are bounded
@@ -51,8 +63,8 @@ def test_uneven_batch_counts_stop_every_rank_before_any_step(tmp_path, scenario:
     """Loaders with a length but different counts per rank (no DistributedSampler): every rank stops before the
     first step with the counts and the fixes. Without the check, training ran 6 steps on rank 0 and 5 on rank 1:
     rank 1 returned "successfully" and rank 0 failed in its extra step (checked by hand)."""
-    code, out, _, ranks = _fault_run(tmp_path, scenario, 2)
-    assert code != 0
+    codes, out, ranks = _forked_run(tmp_path, scenario)
+    assert all(codes), out[-4000:]
     for rank in (0, 1):
         facts = ranks[rank]
         assert facts["exception"] == "UnevenBatchesError", facts
@@ -65,8 +77,8 @@ def test_loaders_without_a_length_end_together_when_one_rank_runs_out(tmp_path) 
     """IterableDatasets: training 5 batches on rank 0 and 7 on rank 1, 2 epochs; validation 3 and 2. Every epoch
     ends after 5 steps and every validation after 2 batches, on both ranks, with a warning. Without the per-batch
     agreement rank 1 waits in its 6th step until the timeout (checked by hand)."""
-    code, out, _, ranks = _fault_run(tmp_path, "iterable", 2)
-    assert code == 0, out[-4000:]
+    codes, out, ranks = _forked_run(tmp_path, "iterable")
+    assert not any(codes), out[-4000:]
     for rank in (0, 1):
         assert ranks[rank]["exception"] is None, ranks[rank]
         assert ranks[rank]["global_step"] == 10 and ranks[rank]["seen"] == {"train": 10, "val": 4}, ranks[rank]

@@ -317,36 +317,28 @@ def test_bad_input_fails_with_one_clear_line(tmp_path: Path, overrides: list[str
 
 @pytest.mark.slow
 def test_3d_preset_validates_like_one_process_and_trains(tmp_path: Path) -> None:
-    """strategy=3d on 8 processes (pp2 x dp2 x tp2): the pipelined validation gives the single-process
-    perplexity, and training runs with the loss logged from the last stage on rank 0."""
-    train(
-        tmp_path,
-        "mode=validate",
-        "logger=none",
-        "checkpoint=false",
-        "strategy=3d",
-        "trainer.devices=8",
-        "trainer.limit_val_batches=1.0",
-        timeout=600,
-    )
-    s = summary(tmp_path / "run")
-    assert s["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1}
-    assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-5)
+    """strategy=3d on 8 processes (pp2 x dp2 x tp2), one job: it trains 6 steps with the loss logged from the last
+    stage on rank 0, then validates on the whole validation set, and that pipelined validation gives the
+    perplexity one process computes with the weights of the job's checkpoint (written after the same step)."""
+    from cuboid.checkpoint.export import read_model_weights
+
     train(
         tmp_path,
         "logger=csv",
-        "checkpoint=false",
         "strategy=3d",
         "trainer.devices=8",
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
+        "trainer.limit_val_batches=1.0",
         "trainer.log_every_n_steps=1",
-        "hydra.run.dir=" + str(tmp_path / "run3d"),
         timeout=600,
     )
-    s = summary(tmp_path / "run3d")
+    s = summary(tmp_path / "run")
+    assert s["layout"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1}
     assert s["steps"] == 6 and len(s["losses"]) == 6 and s["losses"][-1] < s["losses"][0]
-    assert math.isfinite(s["val_ppl"])
+    weights = {k.removeprefix("model."): v for k, v in read_model_weights(s["checkpoint"]).items()}
+    assert s["val_ppl"] == pytest.approx(_single_process_val_ppl(tmp_path, weights), rel=1e-5)
+    assert s["val_ppl"] != pytest.approx(_single_process_val_ppl(tmp_path), rel=1e-3)  # the trained weights'
 
 
 def test_processes_preparing_the_same_token_file_at_once_all_succeed(tmp_path: Path) -> None:
