@@ -103,30 +103,31 @@ def test_context_parallel_bytes_follow_the_kv_heads(comm) -> None:
     assert back["count"] == 7 + 4 and back["ratio"] == pytest.approx(1.0, abs=1e-4), back
 
 
+@pytest.fixture(scope="module")
+def comm4(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The 4-rank layouts the tests below read, in one bench run (one launch)."""
+    out = tmp_path_factory.mktemp("comm4") / "comm4.json"
+    run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "4", "--only",
+                 "cp2xtp2,moe-ep2-in-dp4", "--out", str(out)], timeout=600, env=worker_env())  # fmt: skip
+    return {r["layout"]: r["per_stage"] for r in json.loads(out.read_text())["results"]}
+
+
 @pytest.mark.slow
-def test_under_cp_x_tp_the_logits_are_not_gathered_over_tp(tmp_path: Path) -> None:
+def test_under_cp_x_tp_the_logits_are_not_gathered_over_tp(comm4: dict) -> None:
     """cp2 x tp2: loss parallel stays on, so tp's all-gathers are sequence parallel's alone, on this cp rank's half
     of the sequence (the analytic figure has no logits term without pp); cp gathers each tp rank's KV heads; FSDP
     over dp_shard_cp, a group of its own."""
-    out = tmp_path / "comm4-cp.json"
-    run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "4", "--only",
-                 "cp2xtp2", "--out", str(out)], timeout=600, env=worker_env())  # fmt: skip
-    (result,) = json.loads(out.read_text())["results"]
-    rows = {(r["dim"], r["kind"]): r for r in result["per_stage"]["pp rank 0"]}
+    rows = {(r["dim"], r["kind"]): r for r in comm4["cp2xtp2"]["pp rank 0"]}
     assert rows["tp", "all_gather"]["ratio"] == pytest.approx(1.0, abs=1e-9), rows["tp", "all_gather"]
     for key in (("cp", "all_gather"), ("cp", "all_reduce"), ("dp_shard_cp", "all_gather")):
         assert rows[key]["ratio"] == pytest.approx(1.0, abs=1e-4), (key, rows[key])
 
 
 @pytest.mark.slow
-def test_experts_fsdp_over_efsdp_bytes_equal_the_analytic_figure(tmp_path: Path) -> None:
+def test_experts_fsdp_over_efsdp_bytes_equal_the_analytic_figure(comm4: dict) -> None:
     """ep2 inside dp_shard 4: each rank's 2 experts per block are FSDP units over the 2 ranks holding the same
     experts (efsdp), gathered in forward and in backward but the last block's, reduced once each."""
-    out = tmp_path / "comm4.json"
-    run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "4", "--only",
-                 "moe-ep2-in-dp4", "--out", str(out)], timeout=600, env=worker_env())  # fmt: skip
-    (result,) = json.loads(out.read_text())["results"]
-    rows = {(r["dim"], r["kind"]): r for r in result["per_stage"]["pp rank 0"]}
+    rows = {(r["dim"], r["kind"]): r for r in comm4["moe-ep2-in-dp4"]["pp rank 0"]}
     assert rows["efsdp", "all_gather"]["count"] == 4 + 3 and rows["efsdp", "all_reduce"]["count"] == 4, rows
     for key in [("efsdp", "all_gather"), ("efsdp", "all_reduce"), ("ep", "all_to_all"), ("dp_shard", "all_gather")]:
         assert rows[key]["ratio"] == pytest.approx(1.0, abs=1e-9), (key, rows[key])
