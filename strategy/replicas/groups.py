@@ -142,6 +142,7 @@ class ReplicaGroups:
         self._joined = False
         self._overlap = False
         self._pending: list[Any] = []
+        self.committed: bool | None = None  # whether the last step's optimizer step ran (None before any step)
 
     # --- the layout and the data ------------------------------------------------------------------------------
     def sampler_kwargs(self, dp_size: int, dp_rank: int) -> dict[str, int]:
@@ -251,7 +252,13 @@ class ReplicaGroups:
         """After backward, before the optimizer step: True when every group of the quorum may step."""
         self.settle()
         self._quorum_open = False
-        return bool(self.manager.should_commit())
+        self.committed = bool(self.manager.should_commit())
+        if not self.committed:
+            rank_zero_info(
+                f"Cuboid: replica group {self.config.replica_group}: step {self._trainer.global_step} not committed "
+                "(a group of its quorum failed during it); no group stepped, the next step's quorum goes on without it"
+            )
+        return self.committed
 
     @property
     def writes_checkpoints(self) -> bool:

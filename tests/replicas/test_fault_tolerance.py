@@ -153,15 +153,26 @@ def test_the_whole_run_is_one_process_replaying_its_quorum_history(runs) -> None
     """One process, the same initial weights, AdamW and schedule: at each step, the mean of the losses of the batches
     every live group's data-parallel ranks trained (what FSDP's mean inside a group and torchft's mean over the
     groups make). Every step's loss on group 0's rank 0 and the final weights match within the parity bound."""
+    _replay(runs["out"], runs["dp"])
+
+
+def _replay(out: Path, dp: int) -> None:
+    """The one-process replay of group 0's record (a step that did not commit: no optimizer step, the schedule's
+    step still taken, as Lightning takes it)."""
     from parity_lib import ADAMW, TokenDataset, initial_model, step_loss
 
-    out, dp, data = runs["out"], runs["dp"], TokenDataset()  # the workers' samples, without their ids
+    data = TokenDataset()  # the workers' samples, without their ids
     model = initial_model()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
     live = _records(out, "live0")
     assert [r["step"] for r in live] == list(range(MAX_STEPS))
     for record in live:
+        if not record["committed"]:  # no group stepped: only group 0's loss to check
+            loss = step_loss(model, torch.stack([data[i]["tokens"] for i in record["ids"]])).item()
+            assert abs(loss - record["loss"]) <= 1e-5 * abs(record["loss"]), (record, loss)
+            decay.step()
+            continue
         batches = _batches(out, record["step"], dp, record["groups"])
         assert len(batches) == dp * record["groups"], (record, batches)
         losses = [step_loss(model, torch.stack([data[i]["tokens"] for i in ids])) for ids in batches]
@@ -185,3 +196,66 @@ def test_the_ledger_books_the_average_over_groups_as_the_parameter_shards_bytes(
     last = live["comm"][-1]
     assert "replica_groups" in last, last
     assert last["replica_groups"]["all_reduce"][1] == live["shard_bytes"], (last, live["shard_bytes"])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """dp2 in each group: only group 1's rank 1 dies, just before step 5's backward, after that step's quorum (so
+    group 0 is waiting for group 1 in the step's average); then group 1 is started again."""
+    out = tmp_path_factory.mktemp("replicas-one-rank")
+    lighthouse = _lighthouse()
+    try:
+        base = {"groups": 2, "lighthouse": lighthouse.address(), "strategy": {}, "start_with": str(out / "start")}
+        (out / "start").mkdir()
+        rejoined = str(out / "rejoined")
+        live = {**base, "name": "live0", "group": 0, "max_steps": MAX_STEPS, "slow_after": DIE_AT, "until": rejoined}
+        dead = {**base, "name": "dead1", "group": 1, "max_steps": MAX_STEPS, "die_at": DIE_AT, "die_ranks": [1],
+                "die_in": "backward"}  # fmt: skip
+        again = {**base, "name": "again1", "group": 1, "max_steps": MAX_STEPS, "rejoined": rejoined}
+        again.pop("start_with")
+        results: dict = {}
+
+        def group0() -> None:
+            results["live0"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(live), timeout=400)
+
+        t0 = threading.Thread(target=group0)
+        t0.start()
+        started = time.monotonic()
+        results["dead1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(dead), timeout=400)
+        results["dead1_s"] = time.monotonic() - started
+        deadline = time.monotonic() + 120
+        while sum(r["groups"] == 1 for r in _records(out, "live0")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        results["again1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(again), timeout=400)
+        t0.join()
+    finally:
+        lighthouse.shutdown()
+    return {"out": out, **results}
+
+
+def test_a_rank_dying_inside_a_group_ends_that_group_and_the_step_it_was_in_commits_nowhere(one_rank) -> None:
+    """Group 1's rank 1 is killed; its peer rank 0 ends too (its group's failure), and group 0 goes on with the same
+    processes. Step 5, whose average over groups group 1 never finished, is not committed: no group steps (group 0
+    notes it), and group 0 trains the later steps alone until group 1 is back."""
+    out, dead = one_rank["out"], one_rank["dead1"]
+    assert dead.codes[1] == -9 and dead.codes[0] not in (0, None), dead.message()
+    assert one_rank["live0"].ok, one_rank["live0"].message()
+    for rank in (0, 1):
+        live = _records(out, "live0", rank)
+        assert [r["step"] for r in live] == list(range(MAX_STEPS)) and len({r["pid"] for r in live}) == 1
+    live = _records(out, "live0")
+    assert [r["committed"] for r in live[: DIE_AT + 1]] == [True] * DIE_AT + [False], live[: DIE_AT + 1]
+    assert live[DIE_AT]["groups"] == 2 and live[DIE_AT + 1]["groups"] == 1, live[DIE_AT : DIE_AT + 2]
+    assert all(r["committed"] for r in live[DIE_AT + 1 :]), live
+    assert f"step {DIE_AT} not committed" in one_rank["live0"].out
+
+
+def test_after_a_rank_died_inside_it_the_group_restarts_heals_and_the_run_replays_in_one_process(one_rank) -> None:
+    out = one_rank["out"]
+    assert one_rank["again1"].ok, one_rank["again1"].message()
+    a, b = torch.load(out / "live0.pt", weights_only=False), torch.load(out / "again1.pt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == MAX_STEPS and a["optimizer_steps"] == b["optimizer_steps"]
+    assert a["optimizer_steps"] == {MAX_STEPS - 1}, a["optimizer_steps"]  # one step did not commit
+    for key, value in a["params"].items():
+        assert torch.equal(value, b["params"][key]), key
+    _replay(out, dp=2)

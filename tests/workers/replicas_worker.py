@@ -7,7 +7,9 @@ step, the groups in the quorum, the process id, the loss, the sample ids. Rank 0
 end: the full weights, the optimizer's step count, CommLedger's tables and the bytes of its own parameter shards.
 
 Spec keys: ``group``, ``groups``, ``lighthouse``, ``max_steps``; ``die_at`` (every rank of this group kills itself
-with SIGKILL when that step starts); ``slow_after`` and ``until`` (after that step, each step waits 0.5 s while the
+with SIGKILL when that step starts); ``die_ranks`` (only these ranks of the group kill themselves) and
+``die_in: "backward"`` (they kill themselves just before that step's backward, after its quorum: the other groups
+are then waiting in the step's average over groups); ``slow_after`` and ``until`` (after that step, each step waits 0.5 s while the
 file ``until`` does not exist, at most 120 s in all: the live group steps on, slowly, until the other is back);
 ``ckpt`` (a ModelCheckpoint directory, every 4 steps, in every group); ``rejoined`` (rank 0 writes that file once its quorum holds every group); ``start_with`` (a directory: every
 rank waits there for every rank of every group before training, so that the groups start in one quorum).
@@ -63,18 +65,28 @@ class Recorder(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         step, spec = trainer.global_step, self.spec
-        if spec.get("die_at") is not None and step >= spec["die_at"]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if spec.get("die_in", "batch_start") == "batch_start":
+            self._die_if_due(trainer)
         while step > spec.get("slow_after", 1 << 30) and not Path(spec["until"]).exists() and self.waited < 120:
             time.sleep(0.5)
             self.waited += 0.5
             break  # one wait per step: the live group keeps stepping
         self.ids = batch["id"].tolist()
 
+    def on_before_backward(self, trainer, module, loss) -> None:
+        if self.spec.get("die_in") == "backward":
+            self._die_if_due(trainer)
+
+    def _die_if_due(self, trainer) -> None:
+        spec = self.spec
+        due = spec.get("die_at") is not None and trainer.global_step >= spec["die_at"]
+        if due and trainer.global_rank in spec.get("die_ranks", range(trainer.world_size)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         replicas = trainer.strategy.replicas
         line = {"step": trainer.global_step - 1, "groups": replicas.participants, "pid": os.getpid(),
-                "loss": float(outputs["loss"]), "ids": self.ids}  # fmt: skip
+                "loss": float(outputs["loss"]), "ids": self.ids, "committed": replicas.committed}  # fmt: skip
         rank = trainer.global_rank
         with open(self.out / f"{self.spec['name']}.rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
