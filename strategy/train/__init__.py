@@ -73,8 +73,14 @@ def check_config(cfg: DictConfig) -> None:
 WANDB_ID_FILE = "wandb_run_id"  # beside the checkpoints: a requeued job logs to the same W&B run
 
 
-def make_logger(cfg: DictConfig, ckpt_dir: Path, resuming: bool) -> Any:
+def make_logger(cfg: DictConfig, ckpt_dir: Path, resuming: bool, strategy: Any = None) -> Any:
+    """The job's logger. Under fault-tolerant replica groups one W&B run holds the whole training: group 0 logs it
+    (a restarted group 0 goes on logging to the run id in its checkpoint directory), the other groups log nothing."""
     if not cfg.get("logger"):
+        return False
+    replicas = getattr(strategy, "replicas", None)
+    if replicas is not None and replicas.config.replica_group != 0:
+        print(f"cuboid: replica group {replicas.config.replica_group} logs nothing: group 0 keeps the run's one log")
         return False
     logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True)
     if logger_cfg["_target_"].endswith("WandbLogger"):
@@ -82,7 +88,7 @@ def make_logger(cfg: DictConfig, ckpt_dir: Path, resuming: bool) -> Any:
             has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
             logger_cfg["offline"] = not has_key
         id_file = ckpt_dir / WANDB_ID_FILE
-        if resuming and id_file.is_file() and not logger_cfg.get("id"):
+        if (resuming or replicas is not None) and id_file.is_file() and not logger_cfg.get("id"):
             logger_cfg.update(id=id_file.read_text().strip(), resume="allow")
     return instantiate(logger_cfg)
 
@@ -134,7 +140,7 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
     if cfg.ckpt_path == "auto" and isinstance(strategy, CuboidStrategy):
         # a damaged newest checkpoint (its checksums) makes way for the newest earlier one that verifies
         strategy.checkpointer.fall_back_when_damaged = True
-    logger = make_logger(cfg, ckpt_dir, resuming=ckpt_path is not None)
+    logger = make_logger(cfg, ckpt_dir, resuming=ckpt_path is not None, strategy=strategy)
     history = LossHistory()
     callbacks: list[L.Callback] = [CuboidMonitor(), history]
     if logger:
