@@ -107,6 +107,10 @@ def test_a_restarted_group_heals_from_the_live_one_at_a_later_step_and_both_end_
     first = again[0]["step"]
     assert first > DIE_AT and [r["step"] for r in again] == list(range(first, MAX_STEPS)), [r["step"] for r in again]
     assert all(r["groups"] == 2 for r in again) and [r["groups"] for r in live][first:] == [2] * (MAX_STEPS - first)
+    # Lightning's own counters after the heal: the batch index (what validation and logging count by) and the step
+    # the loggers are given, as in the live group
+    assert [(r["batch_idx"], r["logged_step"]) for r in again] == [(r["batch_idx"], r["logged_step"])
+                                                                   for r in live[first:]], (again, live[first:])  # fmt: skip
     a, b = torch.load(out / "live0.pt", weights_only=False), torch.load(out / "again1.pt", weights_only=False)
     assert a["global_step"] == b["global_step"] == MAX_STEPS and a["optimizer_steps"] == b["optimizer_steps"]
     assert sorted(a["params"]) == sorted(b["params"])

@@ -86,7 +86,8 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         replicas = trainer.strategy.replicas
         line = {"step": trainer.global_step - 1, "groups": replicas.participants, "pid": os.getpid(),
-                "loss": float(outputs["loss"]), "ids": self.ids, "committed": replicas.committed}  # fmt: skip
+                "loss": float(outputs["loss"]), "ids": self.ids, "committed": replicas.committed, "batch_idx": batch_idx,
+                "logged_step": trainer.fit_loop.epoch_loop._batches_that_stepped}  # fmt: skip
         rank = trainer.global_rank
         with open(self.out / f"{self.spec['name']}.rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
