@@ -176,12 +176,18 @@ class ReplicaGroups:
             ) from None
 
     def start(self, trainer: Any, strategy: Any) -> None:
+        # torchft's Rust side logs every quorum and commit at INFO (Cuboid prints the joins and heals); a RUST_LOG
+        # of the user's own is kept
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
 
         self.probe()
         import logging
 
-        logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per step otherwise; Cuboid says joins, heals
+        # a line per step otherwise (torchft's own, and its per-quorum and per-commit records); Cuboid says the joins
+        # and heals, and torchft's errors ("torchft_errors") stay as they are
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self._trainer, self._strategy = trainer, strategy
         modules = fsdp_modules(strategy)
         if not modules:
