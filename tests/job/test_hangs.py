@@ -17,17 +17,19 @@ def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tu
     cmd = torchrun_cmd(nprocs, WORKERS / "fault_worker.py", str(tmp_path), scenario)
     code, out, closed, seen = launch_and_watch(cmd, timeout=timeout)
     assert not [pid for pid in seen if running(pid)], seen
-    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)
-             if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
-    return code, out, closed, ranks
+    return code, out, closed, _rank_facts(tmp_path, nprocs)
 
 
 def _forked_run(tmp_path, scenario: str) -> tuple[list[int | None], str, dict[int, dict]]:
     ran = launch(2, WORKERS / "fault_worker.py", str(tmp_path), scenario, timeout=150)
     assert not ran.timed_out, ran.message()
-    ranks = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
-             if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
-    return ran.codes, ran.out, ranks
+    return ran.codes, ran.out, _rank_facts(tmp_path, 2)
+
+
+def _rank_facts(tmp_path, nprocs: int) -> dict[int, dict]:
+    """What each rank that returned wrote (``rank<r>.json``), by rank."""
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)
+            if (tmp_path / f"rank{r}.json").exists()}  # fmt: skip
 
 
 @pytest.mark.alone  # its seconds are bounded

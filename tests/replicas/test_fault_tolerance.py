@@ -31,6 +31,25 @@ def _lighthouse():
     return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=3000)
 
 
+def _fail_and_rejoin(out: Path, live: dict, dead: dict, again: dict) -> dict:
+    """Group 0 (``live``) runs throughout; group 1 runs as ``dead`` until its failure, then, once group 0 has
+    stepped alone twice, as ``again``. Each launch's result, by spec name."""
+    results: dict = {}
+
+    def group0() -> None:
+        results["live0"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(live), timeout=400)
+
+    t0 = threading.Thread(target=group0)
+    t0.start()
+    results["dead1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(dead), timeout=400)
+    deadline = time.monotonic() + 120
+    while sum(r["groups"] == 1 for r in _records(out, "live0")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    results["again1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(again), timeout=400)
+    t0.join()
+    return results
+
+
 def _records(out: Path, name: str, rank: int = 0) -> list[dict]:
     path = out / f"{name}.rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -70,19 +89,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         dead = {**base, "name": "dead1", "group": 1, "max_steps": MAX_STEPS, "die_at": DIE_AT, "start_with": start,
                 "ckpt": ckpt}  # fmt: skip
         again = {**base, "name": "again1", "group": 1, "max_steps": MAX_STEPS, "rejoined": rejoined, "ckpt": ckpt}
-        results: dict = {}
-
-        def group0() -> None:
-            results["live0"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(live), timeout=400)
-
-        t0 = threading.Thread(target=group0)
-        t0.start()
-        results["dead1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(dead), timeout=400)
-        deadline = time.monotonic() + 120  # group 1 comes back once group 0 has stepped alone twice
-        while sum(r["groups"] == 1 for r in _records(out, "live0")) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        results["again1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(again), timeout=400)
-        t0.join()
+        results = _fail_and_rejoin(out, live, dead, again)
     finally:
         lighthouse.shutdown()
     return {"out": out, "calm": calm, "dp": LAYOUTS[request.param][1], **results}
@@ -209,29 +216,14 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("replicas-one-rank")
     lighthouse = _lighthouse()
     try:
-        base = {"groups": 2, "lighthouse": lighthouse.address(), "strategy": {}, "start_with": str(out / "start")}
+        base = {"groups": 2, "lighthouse": lighthouse.address(), "strategy": {}, "max_steps": MAX_STEPS}
+        start, rejoined = str(out / "start"), str(out / "rejoined")
         (out / "start").mkdir()
-        rejoined = str(out / "rejoined")
-        live = {**base, "name": "live0", "group": 0, "max_steps": MAX_STEPS, "slow_after": DIE_AT, "until": rejoined}
-        dead = {**base, "name": "dead1", "group": 1, "max_steps": MAX_STEPS, "die_at": DIE_AT, "die_ranks": [1],
-                "die_in": "backward"}  # fmt: skip
-        again = {**base, "name": "again1", "group": 1, "max_steps": MAX_STEPS, "rejoined": rejoined}
-        again.pop("start_with")
-        results: dict = {}
-
-        def group0() -> None:
-            results["live0"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(live), timeout=400)
-
-        t0 = threading.Thread(target=group0)
-        t0.start()
-        started = time.monotonic()
-        results["dead1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(dead), timeout=400)
-        results["dead1_s"] = time.monotonic() - started
-        deadline = time.monotonic() + 120
-        while sum(r["groups"] == 1 for r in _records(out, "live0")) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        results["again1"] = launch(2, WORKERS / "replicas_worker.py", str(out), json.dumps(again), timeout=400)
-        t0.join()
+        live = {**base, "name": "live0", "group": 0, "slow_after": DIE_AT, "until": rejoined, "start_with": start}
+        dead = {**base, "name": "dead1", "group": 1, "die_at": DIE_AT, "die_ranks": [1], "die_in": "backward",
+                "start_with": start}  # fmt: skip
+        again = {**base, "name": "again1", "group": 1, "rejoined": rejoined}
+        results = _fail_and_rejoin(out, live, dead, again)
     finally:
         lighthouse.shutdown()
     return {"out": out, **results}
