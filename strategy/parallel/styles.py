@@ -7,8 +7,8 @@ its layouts) are accepted; each maps onto torch's DTensor styles with transforme
 =============================  ==========================================================================
 style (aliases)                what it does
 =============================  ==========================================================================
-colwise                        Linear: shard output features; input replicated, output stays sharded
-rowwise                        Linear: shard input features; input sharded, output all-reduced
+colwise (unit_colwise)         Linear: shard output features; input replicated, output stays sharded
+rowwise (unit_rowwise)         Linear: shard input features; input sharded, output all-reduced
 rowwise_split_input            Linear: shard input features of a *replicated* input (it is split
 (rowwise_rep)                  locally), output all-reduced
 output (colwise_rep,           Linear: shard output features, all-gather the output (replicated)
@@ -90,6 +90,11 @@ ALIASES: dict[str, str] = {
     "rowwise_rep": "rowwise_split_input",
     "embedding_rowwise": "embedding",
     "sequence_parallel_output": "sequence_parallel",
+    # transformers 5.25: head-aligned colwise / rowwise for attention projections, which replicate heads when a
+    # model has fewer than tp. Cuboid asks tp to divide every head count (plans.check_tp_divisibility), and with
+    # whole heads on every rank they are colwise and rowwise.
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
 }
 # Styles that shard experts of a mixture-of-experts layer (or fused expert weights): not supported.
 _EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "packed_colwise", "packed_rowwise", "mla_kv_a_proj")

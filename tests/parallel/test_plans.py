@@ -81,6 +81,27 @@ def test_styles_become_dtensor_parallel_styles() -> None:
     assert isinstance(embedding, RowwiseParallel) and embedding.input_layouts == (Replicate(),)
 
 
+def test_unit_styles_are_colwise_and_rowwise_with_whole_heads_and_refused_with_too_few_heads() -> None:
+    """transformers' ``unit_colwise`` / ``unit_rowwise`` (MiniCPM5-MoE's k/v projections) keep whole heads on each
+    rank: with a head count tp divides, that is colwise / rowwise; with fewer heads than tp (which transformers
+    answers by replicating heads) the head check refuses the layout, naming the count."""
+    from types import SimpleNamespace
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2)
+            self.k_proj, self.o_proj = nn.Linear(64, 16), nn.Linear(64, 64)
+
+    model = nn.Sequential()
+    model.add_module("attn", Attention())
+    matched = match_plan(model, {"attn.k_proj": "unit_colwise", "attn.o_proj": "unit_rowwise"})
+    assert {name: style for name, (_, style) in matched.items()} == {"attn.k_proj": "colwise", "attn.o_proj": "rowwise"}
+    check_tp_divisibility(model, matched, 2)
+    with pytest.raises(PlanError, match=r"attn.config.num_key_value_heads = 2 is not divisible by tp=4"):
+        check_tp_divisibility(model, matched, 4)
+
+
 # --- Hugging Face's own style vocabulary, read from the installed transformers -----------------------------------
 
 
@@ -131,6 +152,7 @@ def test_every_transformers_style_is_mapped_with_its_layouts_or_refused_by_name(
         else:
             raise AssertionError(f"transformers style {name!r} ({type(hf_style).__name__}) is mapped but not checked")
     assert {"moe_tp_experts", "packed_colwise", "packed_rowwise"} <= set(refused)
+    assert {"unit_colwise", "unit_rowwise"} & set(registry) <= set(mapped)  # transformers 5.25 added them
     assert len(mapped) >= 12, mapped
 
 
