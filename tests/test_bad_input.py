@@ -413,7 +413,7 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         CheckpointError,
         "does not exist",
     ),
-    "a checkpoint damaged on disk": (_damaged_checkpoint, CheckpointError, r"__1_0.distcp: CRC-32 .*, the save wrote"),
+    "a checkpoint damaged on disk": (_damaged_checkpoint, CheckpointError, r"__1_0.distcp: xxHash3 .*, the save wrote"),
     "a SLURM task count that disagrees with nodes x devices": (
         _slurm_mismatch,
         LayoutError,

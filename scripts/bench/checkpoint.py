@@ -4,7 +4,7 @@
 
 After one training step (so AdamW state exists), each rank times: a sync save, an async save
 (time the training loop is blocked, and time until the write is complete), a load into the same
-layout, the checksums' part of a save and of a load (each rank hashing its share of the files), and ``torch.save`` (fsynced, as DCP's writer does) / ``torch.load`` of its own local shards
+layout, the checksums' part of a save and of a load (each rank hashing the files it wrote, or stands for), and ``torch.save`` (fsynced, as DCP's writer does) / ``torch.load`` of its own local shards
 (parameters + optimizer state) to one file: the plain-PyTorch floor for writing the same bytes.
 Dirty pages are flushed (``os.sync``) before every timed operation, so one write does not bill
 the next. MB/s are per rank, except for
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     result["async_blocked_s"] = blocked["t"]
     result["load_s"] = timed(lambda: strategy.load_checkpoint(root / "sync.ckpt"))
-    # What the checksums cost inside them (cuboid.checkpoint.sharded: each rank hashes its share of the files)
+    # What the checksums cost inside them (cuboid.checkpoint.sharded: each rank hashes its own files)
     result["checksums_write_s"] = timed(lambda: write_checksums(root / "sync.ckpt"))
     result["checksums_verify_s"] = timed(lambda: verify_checkpoint(root / "sync.ckpt"))
     strategy.checkpointer.async_save, strategy.checkpointer.format = False, "full"

@@ -150,7 +150,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
 
 
 # A file of each kind flipped in a copy of the 8-rank checkpoint: (what, the file). "odd": a shard that the second
-# of two loading ranks verifies (each rank checks every world-th file of the sorted list).
+# of two loading ranks verifies (each rank checks the files of the saving ranks it stands for: 1, 3, 5 and 7).
 DAMAGED = {"shard": "__5_0.distcp", "metadata": ".metadata", "lightning": "meta.pt", "rng": "rng/rank3.pt"}
 
 
@@ -171,7 +171,7 @@ def damage_copies(out: Path) -> None:
 
     source = out / "3d" / "step=6.ckpt"
     names = sorted(json.loads((source / "checksums.json").read_text())["files"])
-    odd = next(n for n in names[1::2] if n.endswith(".distcp"))
+    odd = next(n for n in names if n.startswith("__") and int(n.split("_")[2]) % 2 == 1)
     for kind, name in {**DAMAGED, "odd": odd}.items():
         copy = out / "damaged" / kind / "step=6.ckpt"
         shutil.copytree(source, copy)
@@ -522,7 +522,7 @@ def test_a_damaged_file_of_any_kind_stops_the_load_naming_it(runs) -> None:
         assert error and error.startswith("CheckpointDamaged:"), (kind, error)
         assert "damaged" in error and "step=6.ckpt" in error and "the save wrote" in error, (kind, error)
         if name is not None:
-            assert f"{name}: CRC-32" in error, (kind, error)
+            assert f"{name}: xxHash3" in error, (kind, error)
     listed = json.loads((out / "3d" / "step=6.ckpt" / "checksums.json").read_text())["files"]
     on_disk = {str(p.relative_to(out / "3d" / "step=6.ckpt")) for p in (out / "3d" / "step=6.ckpt").rglob("*")
                if p.is_file() and p.name != "checksums.json"}  # fmt: skip
@@ -541,6 +541,39 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_keeps_it(runs) -> 
     assert "fallback/step=6.ckpt is damaged" in warning and "fallback/step=5.ckpt" in warning, warning
     assert (out / "fallback" / "step=6.ckpt" / "checksums.json").is_file()
     assert run["losses"] == pytest.approx(got["single-from-3d"]["losses"], rel=1e-5)
+
+
+def test_each_rank_hashes_the_files_it_wrote() -> None:
+    """A save's ranks hash their own files (still in their host's page cache; on a shared file system no rank reads
+    another node's files), rank 0 the shared ones too; a load on fewer ranks takes the saving ranks' files by
+    rank modulo its size, and one on more ranks than the save had spreads every file over its ranks."""
+    from cuboid.checkpoint.sharded import _share
+
+    names = sorted([".metadata", "meta.pt", *(f"__{r}_{k}.distcp" for r in range(4) for k in range(2)),
+                    *(f"rng/rank{r}.pt" for r in range(4))])  # fmt: skip
+    assert _share(names, 0, 4) == [".metadata", "__0_0.distcp", "__0_1.distcp", "meta.pt", "rng/rank0.pt"]
+    assert _share(names, 3, 4) == ["__3_0.distcp", "__3_1.distcp", "rng/rank3.pt"]
+    assert _share(names, 1, 2) == ["__1_0.distcp", "__1_1.distcp", "__3_0.distcp", "__3_1.distcp", "rng/rank1.pt",
+                                   "rng/rank3.pt"]  # fmt: skip
+    shares = [_share(names, r, 8) for r in range(8)]
+    assert sorted(sum(shares, [])) == names and max(map(len, shares)) == 2, shares
+
+
+def test_a_checkpoint_with_crc32_checksums_still_verifies_and_names_a_damaged_file(tmp_path: Path) -> None:
+    """Cuboid's first checksums were CRC-32s (``"algorithm": "crc32"``): such a checkpoint verifies with them."""
+    import zlib
+
+    from cuboid.checkpoint.sharded import CheckpointDamaged, verify_checkpoint
+
+    files = {"__0_0.distcp": b"shard" * 1000, ".metadata": b"meta", "empty": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    listing = {name: [len(data), f"{zlib.crc32(data):08x}"] for name, data in files.items()}
+    (tmp_path / "checksums.json").write_text(json.dumps({"algorithm": "crc32", "files": listing}))
+    verify_checkpoint(tmp_path)
+    flip(tmp_path / "__0_0.distcp")
+    with pytest.raises(CheckpointDamaged, match=r"__0_0.distcp: CRC-32 [0-9a-f]{8}, the save wrote"):
+        verify_checkpoint(tmp_path)
 
 
 def test_a_checkpoint_without_checksums_loads_with_a_warning_and_a_whole_one_verifies(tmp_path: Path) -> None:
