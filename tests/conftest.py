@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -88,15 +89,20 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest -n N a test marked ``alone`` runs while no other worker runs a test (harness.SuiteLock); with
-    CUBOID_TEST_CPU_LOG, each test's CPU-seconds are written there."""
+    CUBOID_TEST_CPU_LOG, each test's CPU-seconds and seconds are written there."""
     import harness
 
-    busy = _cpu_seconds() if CPU_LOG else 0.0
+    busy, start = (_cpu_seconds(), time.monotonic()) if CPU_LOG else (0.0, 0.0)
     with harness.SUITE_LOCK.hold(exclusive=item.get_closest_marker("alone") is not None):
         yield
-    if CPU_LOG:  # one line per test: the machine's CPU-seconds while it ran (module fixtures: its first test)
+    if CPU_LOG:  # a line per test: the machine's CPU-seconds and the seconds it ran (a module fixture: its first test)
+        line = {
+            "test": item.nodeid,
+            "cpu_s": round(_cpu_seconds() - busy, 1),
+            "wall_s": round(time.monotonic() - start, 1),
+        }
         with open(CPU_LOG, "a") as log:
-            log.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - busy, 1)}) + "\n")
+            log.write(json.dumps(line) + "\n")
 
 
 # CUBOID_TEST_CPU_LOG=FILE: where the suite's CPU goes (run it alone, on one worker: the machine's busy time is
