@@ -15,14 +15,16 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
 
-FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf_qwen3_moe", "hf_mixtral")
+FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf_qwen3_moe", "hf_mixtral",
+            "hf_minicpm5_moe")  # fmt: skip
 # Mixture-of-experts families: their loss adds the router's load-balancing loss (output_router_logits), which is
 # not linear in the batch, so data-parallel training's loss is the mean of the ranks' own (see reference_run).
 MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
 # Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
-        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4}  # fmt: skip
+        "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
+        "hf_minicpm5_moe": 1.25}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -60,6 +62,14 @@ def hf_config(family: str):
         return transformers.Qwen3MoeConfig(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
             moe_intermediate_size=32, norm_topk_prob=True, **moe, **small,
+        )  # fmt: skip
+    if family == "hf_minicpm5_moe":  # transformers 5.25: gated attention (q_gate_proj), unit_colwise k/v in its
+        # plan, one dense layer then MoE layers with a shared expert, sigmoid routing with a score-correction bias
+        # and no load-balancing loss (its balancing moves that bias, outside the loss)
+        return transformers.MiniCPM5MoeConfig(
+            vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, moe_intermediate_size=32,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.0, pad_token_id=0,
+            bos_token_id=0, eos_token_id=1, **small,
         )  # fmt: skip
     if family == "hf_mixtral":
         return transformers.MixtralConfig(

@@ -1,5 +1,5 @@
 """Expert parallel trains like one process: transformers Qwen3-MoE and Mixtral (4 experts, top-2, the
-load-balancing loss in ``.loss``, clipping on some steps) at ep2 (dp_shard=2, each rank holding 2 experts), Qwen3-MoE
+load-balancing loss in ``.loss``, clipping on some steps) and MiniCPM5-MoE (at ep2 x tp2, its own plan) at ep2 (dp_shard=2, each rank holding 2 experts), Qwen3-MoE
 at ep2 inside dp_shard=4 (the experts' FSDP over the 2 ranks holding the same experts) and ep2 x HSDP2, with tp, pp
 and cp beside. The LightningModule is the suite's usual ``third_party.HFModule``, unchanged. Checkpoints move between
 ep2 and ep1 both ways. The one parity bound (1e-5).
@@ -41,6 +41,9 @@ RUNS: dict[str, tuple[int, dict]] = {
     "hf_qwen3_moe-tp2": (2, {"model": "hf_qwen3_moe", "strategy": {"tensor_parallel": 2}}),
     "hf_mixtral-ep2xtp2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "tensor_parallel": 2}}),
     "hf_qwen3_moe-ep2xtp2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "tensor_parallel": 2}}),
+    # a family no other test names (transformers 5.25): its own plan's unit_colwise k/v, gated attention, a dense
+    # first layer, shared experts beside the routed ones, sigmoid routing and no load-balancing loss
+    "hf_minicpm5_moe-ep2xtp2": (4, {"model": "hf_minicpm5_moe", "strategy": {**EP2, "tensor_parallel": 2}}),
     # under pp the router logits travel with the hidden states; the load-balancing loss is each microbatch's own
     "hf_qwen3_moe-pp2xep2": (4, {"model": "hf_qwen3_moe", "strategy": {**EP2, "pipeline_parallel": 2}}),
     "hf_mixtral-pp2xep2": (4, {"model": "hf_mixtral", "strategy": {**EP2, "pipeline_parallel": 2}}),
@@ -162,6 +165,13 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
         experts = {k: v for k, v in facts["placements"].items() if k.endswith(("gate_up_proj", "down_proj"))}
         split = "expert_parallel" in spec["strategy"]
         assert experts and all(("ep" in dims) == split and "tp" not in dims for dims, *_ in experts.values()), experts
+        if spec["model"] == "hf_minicpm5_moe":  # its plan's unit_colwise k and v projections: split over tp
+            kv = {
+                k: dims
+                for k, (dims, *_) in facts["placements"].items()
+                if k.endswith(("k_proj.weight", "v_proj.weight"))
+            }
+            assert len(kv) == 8 and all("tp" in dims for dims in kv.values()), kv
 
 
 @pytest.mark.slow
@@ -210,7 +220,7 @@ def test_the_main_job_trains_cuboids_own_moe_at_ep2_as_at_ep1(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in RUNS if name.startswith("hf_")])
+@pytest.mark.parametrize("name", [name for name in RUNS if RUNS[name][1]["model"] in third_party.MOE])
 def test_expert_load_is_logged_on_logging_steps_as_the_routers_chose(name: str, results) -> None:
     """CuboidMonitor's ``moe/*`` figures, as the logger received them, on logging steps only; each equals the
     figure computed from the single-process reference's own router choices (the same tokens, summed over the
