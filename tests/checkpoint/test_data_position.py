@@ -8,10 +8,12 @@ one of the 64 samples the epoch had not reached is trained once. Before, a resum
 trained batches, counted per rank: 80 samples read to train 48 at dp4 x 2, and 16 never trained at dp4 x 3.
 The parity suite's Llama saved on dp2 x tp2 resumes on pp2 x dp2 the same way. torchdata's StatefulDataLoader
 resumes through the Trainer (exact on any degree over a map-style dataset; per-rank state at the same degree, and
-refused on another); ``data_position="epoch"`` reads the interrupted epoch again from its start.
+refused on another), and so does litdata's StreamingDataLoader (per-rank state); ``data_position="epoch"`` reads the interrupted epoch again from its start.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -28,18 +30,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     ckpt = str(out / "first" / f"step={SAVED}.ckpt")
     # torchdata's StatefulDataLoader: over the same map-style dataset (shuffled), and over a stream that deals
     # itself by rank and keeps its own state (one state per dp rank, which another dp degree cannot take)
-    first_of = {kind: str(out / f"first-{kind}" / f"step={SAVED}.ckpt") for kind in ("stateful", "stream")}
+    first_of = {kind: str(out / f"first-{kind}" / f"step={SAVED}.ckpt") for kind in ("stateful", "stream", "litdata")}
     epoch = {"data_position": "epoch"}
+    # litdata's StreamingDataLoader over chunks written beforehand, as users prepare them
+    worker = importlib.util.spec_from_file_location("position_worker", WORKERS / "position_worker.py")
+    module = importlib.util.module_from_spec(worker)
+    worker.loader.exec_module(module)
+    module.write_litdata(out / "litdata")
+    lit = {"litdata": str(out / "litdata")}
     got.launch(2, WORKERS / "position_worker.py", [
         {"name": "uninterrupted", "batch": 4, "max_steps": 12},
         {"name": "first", "batch": 4, "max_steps": SAVED, "save_every": SAVED},
         {"name": "dp2x4", "batch": 4, "max_steps": 12, "resume_from": ckpt},
         {"name": "other-dataset", "batch": 4, "max_steps": 12, "resume_from": ckpt, "samples": 90,
          "expect_error": True},
-        *(spec for kind in ("stateful", "stream") for spec in (
-            {"name": f"uninterrupted-{kind}", "batch": 4, "max_steps": 12, "loader": kind},
-            {"name": f"first-{kind}", "batch": 4, "max_steps": SAVED, "save_every": SAVED, "loader": kind},
-            {"name": f"dp2x4-{kind}", "batch": 4, "max_steps": 12, "resume_from": first_of[kind], "loader": kind},
+        *(spec for kind in ("stateful", "stream", "litdata") for spec in (
+            {"name": f"uninterrupted-{kind}", "batch": 4, "max_steps": 12, "loader": kind, **lit},
+            {"name": f"first-{kind}", "batch": 4, "max_steps": SAVED, "save_every": SAVED, "loader": kind, **lit},
+            {"name": f"dp2x4-{kind}", "batch": 4, "max_steps": 12, "resume_from": first_of[kind], "loader": kind, **lit},
         )),
     ])  # fmt: skip
     got.launch(4, WORKERS / "position_worker.py", [
@@ -52,6 +60,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
          "expect_error": True},
         {"name": "dp4x2-stream-epoch", "batch": 2, "max_steps": 12, "resume_from": first_of["stream"],
          "loader": "stream", "strategy": epoch},
+        {"name": "dp4x2-litdata", "batch": 2, "max_steps": 12, "resume_from": first_of["litdata"], "loader": "litdata",
+         "expect_error": True, **lit},
         # the parity suite's Llama: saved on dp2 x tp2 at step 4, resumed on pp2 x dp2
         {"name": "dp2xtp2-llama", "batch": 4, "max_steps": 12, "save_every": SAVED, "loader": "llama",
          "strategy": {"tensor_parallel": 2}},
@@ -99,7 +109,7 @@ def test_a_position_in_another_dataset_is_refused_naming_both_lengths(runs) -> N
 @pytest.mark.parametrize(
     ("name", "whole"),
     [("dp2x4-stateful", "uninterrupted-stateful"), ("dp4x2-stateful", "uninterrupted-stateful"),
-     ("dp2x4-stream", "uninterrupted-stream")],
+     ("dp2x4-stream", "uninterrupted-stream"), ("dp2x4-litdata", "uninterrupted-litdata")],
 )  # fmt: skip
 def test_a_stateful_dataloader_resumes_through_the_trainer_on_the_uninterrupted_runs_samples(name, whole, runs):
     """torchdata's StatefulDataLoader. Over a map-style dataset it is dealt like a DataLoader (Lightning's
@@ -113,11 +123,15 @@ def test_a_stateful_dataloader_resumes_through_the_trainer_on_the_uninterrupted_
     assert read == sorted(i for step in resumed for i in step), (name, len(read))
 
 
-def test_loader_state_kept_per_rank_is_refused_on_another_degree_naming_loader_degrees_and_choices(runs) -> None:
-    error = runs["dp4x2-stream"]["error"]
-    assert error and "StatefulDataLoader" in error and "over 2 data-parallel ranks" in error, error
+@pytest.mark.parametrize(("name", "loader"), [("dp4x2-stream", "StatefulDataLoader"),
+                                             ("dp4x2-litdata", "StreamingDataLoader")])  # fmt: skip
+def test_loader_state_kept_per_rank_is_refused_on_another_degree_naming_loader_degrees_and_choices(
+    name: str, loader: str, runs
+) -> None:
+    error = runs[name]["error"]
+    assert error and loader in error and "over 2 data-parallel ranks" in error, error
     assert "this run has 4" in error and "data_position='epoch'" in error and "No step was run" in error, error
-    assert runs["dp4x2-stream"]["ids"] == [[], [], [], []]  # refused before any step
+    assert runs[name]["ids"] == [[], [], [], []]  # refused before any step
 
 
 def test_data_position_epoch_reads_the_interrupted_epoch_again_from_its_start(runs) -> None:

@@ -92,12 +92,47 @@ class LlamaIds(LlamaModule):
         self.ids.append(batch["id"].tolist())
 
 
+def write_litdata(root: Path) -> None:
+    """The 96 samples of :class:`Counting` as litdata's chunks (8 samples each) under ``root``, written the way a
+    user's preparation step writes them (litdata's ``BinaryWriter``, in one process: under torchrun's variables its
+    ``merge`` waits for every rank's part)."""
+    from litdata.streaming.writer import BinaryWriter
+
+    data, writer = Counting(), BinaryWriter(str(root), chunk_size=8)
+    for i in range(SAMPLES):
+        writer[i] = (i, data.x[i], data.y[i])
+    writer.done()
+    writer.merge()
+
+
+def litdata_loader(spec: dict):
+    """litdata's ``StreamingDataLoader`` over a ``StreamingDataset`` (shuffled) of the chunks :func:`write_litdata`
+    wrote at ``spec["litdata"]``: litdata deals the chunks over the ranks itself and keeps its own state. Each item
+    it reads is recorded."""
+    import litdata.helpers
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    litdata.helpers._get_newer_version = lambda version: None  # it would ask PyPI for a newer litdata: no network
+
+    class Recording(StreamingDataset):
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            self.read.append(int(item[0]))
+            return item
+
+    dataset = Recording(spec["litdata"], shuffle=True, seed=1)
+    dataset.read = []
+    return StreamingDataLoader(dataset, batch_size=spec["batch"]), dataset
+
+
 def make_loader(spec: dict):
     """The train loader a spec names: ``map`` (a DataLoader, shuffled), ``llama`` (the same over the parity
     suite's token sequences, for :class:`LlamaIds`), ``stateful`` (torchdata's
-    StatefulDataLoader over the same map-style dataset) or ``stream`` (a StatefulDataLoader over :class:`Stream`).
-    Returns the loader and the dataset that records what was read."""
+    StatefulDataLoader over the same map-style dataset), ``stream`` (a StatefulDataLoader over :class:`Stream`) or
+    ``litdata`` (:func:`litdata_loader`). Returns the loader and the dataset that records what was read."""
     kind = spec.get("loader", "map")
+    if kind == "litdata":
+        return litdata_loader(spec)
     if kind == "llama":
         dataset = IdTokens()
         return DataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
