@@ -118,6 +118,7 @@ def test_a_stateful_dataloader_resumes_through_the_trainer_on_the_uninterrupted_
     back through the Trainer: the state after the batches trained, not Lightning's one batch ahead. Either way, the
     uninterrupted run's global batches, and nothing skipped is read."""
     resumed, uninterrupted = global_batches(runs[name]), global_batches(runs[whole])
+    assert sorted(i for step in uninterrupted for i in step) == list(range(96)), (whole, uninterrupted)  # dealt once
     assert len(uninterrupted) == 12 and resumed == uninterrupted[SAVED:], (name, resumed, uninterrupted[SAVED:])
     read = sorted(i for rank in runs[name]["read"] for i in rank)
     assert read == sorted(i for step in resumed for i in step), (name, len(read))

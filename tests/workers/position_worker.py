@@ -105,34 +105,43 @@ def write_litdata(root: Path) -> None:
     writer.merge()
 
 
-def litdata_loader(spec: dict):
+class LitData(L.LightningDataModule):
     """litdata's ``StreamingDataLoader`` over a ``StreamingDataset`` (shuffled) of the chunks :func:`write_litdata`
-    wrote at ``spec["litdata"]``: litdata deals the chunks over the ranks itself and keeps its own state. Each item
-    it reads is recorded."""
-    import litdata.helpers
-    from litdata import StreamingDataLoader, StreamingDataset
+    wrote at ``spec["litdata"]``, made where Lightning users make it: in ``train_dataloader``, once the process group
+    exists, which litdata reads to deal the chunks over the ranks (made before, it would read ``WORLD_SIZE`` and
+    ``GLOBAL_RANK``, which torchrun does not set, and every rank would read rank 0's share). It keeps its own state.
+    Each item it reads is recorded in :attr:`read`."""
 
-    litdata.helpers._get_newer_version = lambda version: None  # it would ask PyPI for a newer litdata: no network
+    def __init__(self, spec: dict) -> None:
+        super().__init__()
+        self.spec, self.read = spec, []
 
-    class Recording(StreamingDataset):
-        def __getitem__(self, index):
-            item = super().__getitem__(index)
-            self.read.append(int(item[0]))
-            return item
+    def train_dataloader(self):
+        import litdata.helpers
+        from litdata import StreamingDataLoader, StreamingDataset
 
-    dataset = Recording(spec["litdata"], shuffle=True, seed=1)
-    dataset.read = []
-    return StreamingDataLoader(dataset, batch_size=spec["batch"]), dataset
+        litdata.helpers._get_newer_version = lambda version: None  # it would ask PyPI for a newer litdata: no network
+        read = self.read
+
+        class Recording(StreamingDataset):
+            def __getitem__(self, index):
+                item = super().__getitem__(index)
+                read.append(int(item[0]))
+                return item
+
+        dataset = Recording(self.spec["litdata"], shuffle=True, seed=1)
+        return StreamingDataLoader(dataset, batch_size=self.spec["batch"])
 
 
 def make_loader(spec: dict):
     """The train loader a spec names: ``map`` (a DataLoader, shuffled), ``llama`` (the same over the parity
     suite's token sequences, for :class:`LlamaIds`), ``stateful`` (torchdata's
     StatefulDataLoader over the same map-style dataset), ``stream`` (a StatefulDataLoader over :class:`Stream`) or
-    ``litdata`` (:func:`litdata_loader`). Returns the loader and the dataset that records what was read."""
+    ``litdata`` (:class:`LitData`, a data module). Returns the loader and the dataset that records what was read."""
     kind = spec.get("loader", "map")
     if kind == "litdata":
-        return litdata_loader(spec)
+        data = LitData(spec)
+        return data, data
     if kind == "llama":
         dataset = IdTokens()
         return DataLoader(dataset, batch_size=spec["batch"], shuffle=True), dataset
