@@ -598,3 +598,26 @@ def test_single_tensor_collectives_take_the_names_this_torch_does_not_deprecate(
             dist.destroy_process_group()
     assert mine.tolist() == [0.0, 1.0, 2.0]
     assert hasattr(dist, "all_gather_single") == (torch.__version__ >= "2.13")
+
+
+def test_litdata_streaming_dataset_deals_over_the_ranks_its_distributed_env_names(tmp_path, monkeypatch) -> None:
+    """compat.deal_over_data_parallel sets litdata's ``StreamingDataset.distributed_env`` (a ``_DistributedEnv``):
+    the dataset's length and the chunks it reads follow it, and its iteration does not detect the ranks again."""
+    litdata = pytest.importorskip("litdata")
+    from litdata.streaming.writer import BinaryWriter
+
+    monkeypatch.setattr("litdata.helpers._get_newer_version", lambda version: None)  # it asks PyPI otherwise
+
+    writer = BinaryWriter(str(tmp_path), chunk_size=8)
+    for i in range(32):
+        writer[i] = i
+    writer.done()
+    writer.merge()
+    read = []
+    for rank in (0, 1):
+        dataset = litdata.StreamingDataset(str(tmp_path))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+        assert compat.deal_over_data_parallel(loader, 2, rank) and len(dataset) == 16
+        read.append([int(i) for batch in loader for i in batch])
+    assert len(read[0]) == len(read[1]) == 16 and sorted(read[0] + read[1]) == list(range(32)), read
+    assert not compat.deal_over_data_parallel(torch.utils.data.DataLoader(list(range(4))), 2, 0)

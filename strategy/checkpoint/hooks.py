@@ -10,6 +10,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
 
 
@@ -82,8 +83,11 @@ class CheckpointHooks:
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """After a mid-epoch resume, skip the batches of the epoch that were already trained."""
+        """A litdata ``StreamingDataset`` dealt over the data-parallel ranks (tp, cp and pp peers read the same
+        batch); after a mid-epoch resume, the batches of the epoch that were already trained skipped."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        dp = self.distributed_sampler_kwargs
+        compat.deal_over_data_parallel(dataloader, dp["num_replicas"], dp["rank"])
         replicas = getattr(self, "replicas", None)
         if replicas is not None and trainer is not None and trainer.training:
             replicas.join()  # fault-tolerant replica groups: a group behind the others heals (data position too)

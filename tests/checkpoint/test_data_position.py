@@ -60,6 +60,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
          "expect_error": True},
         {"name": "dp4x2-stream-epoch", "batch": 2, "max_steps": 12, "resume_from": first_of["stream"],
          "loader": "stream", "strategy": epoch},
+        # litdata under tensor parallel: Cuboid hands it the data-parallel ranks
+        {"name": "dp2xtp2-litdata", "batch": 4, "max_steps": 12, "loader": "litdata", **lit,
+         "strategy": {"tensor_parallel": 2, "tensor_parallel_plan": {"net.0": "colwise", "net.2": "rowwise"}}},
         {"name": "dp4x2-litdata", "batch": 2, "max_steps": 12, "resume_from": first_of["litdata"], "loader": "litdata",
          "expect_error": True, **lit},
         # the parity suite's Llama: saved on dp2 x tp2 at step 4, resumed on pp2 x dp2
@@ -122,6 +125,16 @@ def test_a_stateful_dataloader_resumes_through_the_trainer_on_the_uninterrupted_
     assert len(uninterrupted) == 12 and resumed == uninterrupted[SAVED:], (name, resumed, uninterrupted[SAVED:])
     read = sorted(i for rank in runs[name]["read"] for i in rank)
     assert read == sorted(i for step in resumed for i in step), (name, len(read))
+
+
+def test_litdata_is_dealt_over_the_data_parallel_ranks_under_tensor_parallel(runs) -> None:
+    """litdata deals a StreamingDataset over every rank of the default process group; at dp2 x tp2 Cuboid hands it
+    the 2 data-parallel ranks instead, so each tp pair reads the same batches, and the global batches are dp2's."""
+    ids = runs["dp2xtp2-litdata"]["ids"]  # per rank, per step
+    pairs = sorted({tuple(map(tuple, rank)) for rank in ids})
+    assert len(pairs) == 2 and all(ids.count([list(b) for b in pair]) == 2 for pair in pairs), ids
+    dealt = [sorted(i for pair in pairs for i in pair[step]) for step in range(12)]
+    assert dealt == global_batches(runs["uninterrupted-litdata"]), dealt
 
 
 @pytest.mark.parametrize(("name", "loader"), [("dp4x2-stream", "StatefulDataLoader"),
