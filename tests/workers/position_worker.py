@@ -107,10 +107,10 @@ def write_litdata(root: Path) -> None:
 
 class LitData(L.LightningDataModule):
     """litdata's ``StreamingDataLoader`` over a ``StreamingDataset`` (shuffled) of the chunks :func:`write_litdata`
-    wrote at ``spec["litdata"]``, made where Lightning users make it: in ``train_dataloader``, once the process group
-    exists, which litdata reads to deal the chunks over the ranks (made before, it would read ``WORLD_SIZE`` and
-    ``GLOBAL_RANK``, which torchrun does not set, and every rank would read rank 0's share). It keeps its own state.
-    Each item it reads is recorded in :attr:`read`."""
+    wrote at ``spec["litdata"]``, made where Lightning users make it: in ``train_dataloader``. litdata would deal the
+    chunks over every rank of the process group; Cuboid hands it the data-parallel ranks when Lightning passes it the
+    loader (``compat.deal_over_data_parallel``). It keeps its own state. Each item it reads is recorded in
+    :attr:`read`."""
 
     def __init__(self, spec: dict) -> None:
         super().__init__()
