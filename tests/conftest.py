@@ -58,6 +58,71 @@ def pytest_collection_modifyitems(config, items) -> None:
         items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
 
 
+def pytest_collection_finish(session) -> None:
+    """One pytest process: the waiting modules first, and the fixtures that may run ahead meanwhile (tests/ahead.py).
+    ``CUBOID_TEST_AHEAD=0`` keeps the order of collection and runs nothing ahead."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    if os.environ.get("CUBOID_TEST_AHEAD", "1") == "0":
+        return
+    from ahead import AHEAD
+
+    waiting = {module: rank for rank, module in enumerate(WAITING)}
+    order = {id(item): i for i, item in enumerate(session.items)}
+
+    def key(item) -> tuple:
+        module = item.nodeid.split("::")[0]
+        alone = item.get_closest_marker("alone") is not None
+        return (waiting.get(module, len(waiting)), not alone if module in waiting else False, order[id(item)])
+
+    session.items.sort(key=key)
+    alone = [i for i, item in enumerate(session.items) if item.get_closest_marker("alone")]
+    for i, item in enumerate(session.items):
+        if item.nodeid.split("::")[0] not in waiting:
+            _PHASE[item.nodeid] = "close"
+        elif i in alone:
+            _PHASE[item.nodeid] = "quiet"
+        elif i > max(alone, default=-1):
+            _PHASE[item.nodeid] = "open"
+    modules = list(dict.fromkeys(item.nodeid.split("::")[0] for item in session.items))
+    AHEAD.plan([m for m in QUEUE if m in modules and m not in waiting], os.environ)
+
+
+_PHASE: dict[str, str] = {}  # nodeid -> what runs ahead while it runs: "open" (start), "quiet" (nothing), "close"
+
+# The modules that wait more than they compute (idle core-seconds of the 2-core machine at fda05e8, of the
+# module's seconds), run first in one pytest process: those with timed tests (marked alone: nothing runs ahead
+# while they run, and they run first in their modules) lead.
+WAITING = (
+    "tests/job/test_hangs.py",  # 11 of 20
+    "tests/job/test_stopping.py",  # 67 of 60
+    "tests/job/test_local_cluster.py",  # 84 of 104
+    "tests/replicas/test_fault_tolerance.py",  # 72 of 52
+    "tests/test_install.py",  # 54 of 62
+    "tests/job/test_shell.py",  # 52 of 82
+    "tests/job/test_quiet_run.py",  # 27 of 34
+    "tests/job/test_run_lock.py",  # 12 of 12
+)
+# The modules whose fixtures may run ahead (@ahead), in the order they start: the largest first.
+QUEUE = (
+    "tests/parallel/test_parity.py",
+    "tests/checkpoint/test_checkpoint.py",
+    "tests/context/test_context_parallel.py",
+    "tests/measure/test_ledger.py",
+    "tests/models/test_third_party.py",
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ahead_factory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where the fixtures that run ahead make their directories (tests/ahead.py)."""
+    if _PHASE:
+        from ahead import AHEAD
+
+        AHEAD.provide(tmp_path_factory)
+
+
 # The modules that take longest (seconds of the whole module on the 2-core machine, serial run at a9ecaf3), started
 # first under pytest -n N, so that no long module starts while the other workers are finishing; the rest follow in
 # the order of collection. Each module runs whole on one worker (its module fixture runs once).
@@ -92,6 +157,11 @@ def pytest_runtest_protocol(item, nextitem):
     CUBOID_TEST_CPU_LOG, each test's CPU-seconds and seconds are written there."""
     import harness
 
+    phase = _PHASE.get(item.nodeid)
+    if phase:
+        from ahead import AHEAD
+
+        {"open": AHEAD.start, "quiet": AHEAD.quiet, "close": AHEAD.close}[phase]()
     busy, start = (_cpu_seconds(), time.monotonic()) if CPU_LOG else (0.0, 0.0)
     with harness.SUITE_LOCK.hold(exclusive=item.get_closest_marker("alone") is not None):
         yield
@@ -180,6 +250,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.section(f"slowest specs ({len(seen['spec_times'])} specs, {total:.0f} s on rank 0 in all)")
         for seconds, ranks, name, script in sorted(seen["spec_times"], reverse=True)[:25]:
             write(f"{seconds:7.1f} s  {ranks} ranks  {name}  ({script})")
+    ahead = sys.modules.get("ahead")
+    if ahead is not None and ahead.AHEAD.seconds:
+        done = ahead.AHEAD.seconds
+        terminalreporter.section(
+            f"{len(done)} module fixtures ran ahead, while the waiting modules ran (tests/ahead.py)"
+        )
+        for key, seconds in done.items():
+            write(f"{seconds:7.1f} s  {key}")
     if seen["fallbacks"]:
         terminalreporter.section(f"{len(seen['fallbacks'])} python runs not forked (a fresh interpreter each)")
         for why, cmd in seen["fallbacks"]:

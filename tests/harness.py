@@ -31,8 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Per thread: ``environ``, the environment a thread's launches start from instead of os.environ (tests/ahead.py's
+# background thread: the session's, whatever a foreground test sets meanwhile).
+LOCAL = threading.local()
+
+
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK"))}
+    environ = getattr(LOCAL, "environ", None) or os.environ
+    env = {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK"))}
     env.update(
         {
             "OMP_NUM_THREADS": "1",
@@ -91,7 +97,15 @@ def python(
         ran = FORKSERVER.run(cmd[1:], env, cwd, timeout)
         if ran is not None:
             return subprocess.CompletedProcess(cmd, ran[0], ran[1], ran[2])
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+                          preexec_fn=niced(env))  # fmt: skip
+
+
+def niced(env: dict[str, str]):
+    """What a fresh process of a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py) runs before its
+    program: lower its priority; None for every other."""
+    nice = int(env.get("CUBOID_TEST_NICE") or 0)
+    return (lambda: os.nice(nice)) if nice else None
 
 
 def interpreter() -> str:
@@ -160,7 +174,9 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
     if os.environ.get("CUBOID_TEST_LAUNCH") == "torchrun":
         cmd = torchrun_cmd(nprocs, script, *args)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+            env = worker_env()
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                                  preexec_fn=niced(env))  # fmt: skip
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
             return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True)
@@ -238,7 +254,8 @@ class ForkServer:
         log = (self.dir / "server.log").open("w")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "forkserver.py"), str(self.dir / "socket")],
-            cwd=ROOT, env=worker_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env={k: v for k, v in worker_env().items() if k != "CUBOID_TEST_NICE"}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 180
         while "ready" not in (self.dir / "server.log").read_text():

@@ -87,3 +87,55 @@ def test_an_alone_test_waits_for_the_others_and_holds_them_off(tmp_path, monkeyp
     for thread in threads:
         thread.join(10)
     assert events == ["first in", "first out", "alone in", "alone out", "later in"]
+
+
+def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_once_closed(
+    tmp_path_factory, monkeypatch
+) -> None:
+    """tests/ahead.py: what ran in the background is what its module's fixture gets (a pytest.fail is raised there,
+    in the module that reads it); its processes run at nice 19 with the session's environment, not one a test
+    changed meanwhile; once closed no further fixture starts, and one that did not start runs in the foreground."""
+    import os
+    import threading
+
+    import pytest
+    from ahead import Ahead
+    from harness import run_checked
+
+    ahead, gate = Ahead(), threading.Event()
+
+    def seen(factory) -> list[str]:  # what a process of a launch sees: its niceness and a variable of the session
+        return run_checked([sys.executable, "-c", "import os; print(os.nice(0), os.environ['PROBE'])"], 120).split()
+
+    def fails(factory) -> None:
+        pytest.fail("spec x left no result")
+
+    def blocks(factory) -> str:
+        gate.wait(60)
+        return str(factory.mktemp("ahead").is_dir())
+
+    def thread(factory) -> str:
+        return threading.current_thread().name
+
+    for body in (seen, fails, blocks, thread):
+        ahead.offer(f"tests/m.py::{body.__name__}", body)
+    monkeypatch.setenv("PROBE", "the session's")
+    ahead.plan(["tests/m.py"], os.environ)
+    monkeypatch.setenv("PROBE", "a test's")
+    ahead.start()  # nothing runs before the session's tmp_path_factory is handed over
+    time.sleep(0.3)
+    assert ahead.state == {}
+    ahead.provide(tmp_path_factory)
+    deadline = time.monotonic() + 120
+    while ahead.state.get("tests/m.py::blocks") != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ahead.close()
+    gate.set()
+    ahead.quiet()
+    assert ahead.state == dict.fromkeys(["tests/m.py::seen", "tests/m.py::fails", "tests/m.py::blocks"], "done")
+    assert ahead.take("tests/m.py::seen", seen, tmp_path_factory) == ["19", "the", "session's"]
+    with pytest.raises(pytest.fail.Exception, match="spec x left no result"):
+        ahead.take("tests/m.py::fails", fails, tmp_path_factory)
+    assert ahead.take("tests/m.py::blocks", blocks, tmp_path_factory) == "True"
+    assert ahead.take("tests/m.py::thread", thread, tmp_path_factory) == threading.current_thread().name
+    assert run_checked([sys.executable, "-c", "import os; print(os.nice(0))"], 120).split() == [str(os.nice(0))]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ahead import ahead
 from harness import ROOT, WORKERS, SpecRuns, python, run_checked, torchrun, torchrun_cmd, worker_env
 from parity_lib import reference_run
 
@@ -29,6 +30,7 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
+@ahead
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("ckpt")
     save = {"max_steps": 7, "save_every": 6}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import third_party
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
@@ -54,7 +55,8 @@ TABLE: dict[str, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+@ahead
+def launched(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("cp")
     got = SpecRuns(out)
     ckpt = [
@@ -76,7 +78,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             if w == world
         ]
         got.launch(world, WORKERS / "parity_worker.py", specs + (ckpt + errors if world == 2 else []))
-    yield got
+    return got
+
+
+@pytest.fixture(scope="module")
+def results(launched: SpecRuns) -> Iterator[SpecRuns]:
+    yield launched
     print("\ncontext parallel parity (max relative loss error, max absolute parameter error):")
     for name, (rel, err) in TABLE.items():
         print(f"  {name:26s} {rel:.1e} {err:.1e}")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ahead import ahead
 from harness import ROOT, run_checked, worker_env
 
 from cuboid.measure.ledger import entries_after, entry_bytes, kind_of, newest_records
@@ -36,6 +37,7 @@ def test_each_recorder_ring_keeps_its_own_cursor() -> None:
 
 
 @pytest.fixture(scope="module")
+@ahead
 def comm(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("comm") / "comm.json"
     run_checked([sys.executable, str(ROOT / "scripts" / "bench.py"), "--suite", "comm", "--world", "2", "--out",
@@ -104,6 +106,7 @@ def test_context_parallel_bytes_follow_the_kv_heads(comm) -> None:
 
 
 @pytest.fixture(scope="module")
+@ahead
 def comm4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 4-rank layouts the tests below read, in one bench run (one launch)."""
     out = tmp_path_factory.mktemp("comm4") / "comm4.json"

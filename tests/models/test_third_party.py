@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
 
@@ -62,6 +63,7 @@ CKPT_RUNS = {"hf_qwen3-from-tp2-to-dp2": 2, "hf_qwen3-from-tp2-to-dp2xtp2": 4}
 
 
 @pytest.fixture(scope="module")
+@ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("third_party")
     saved = out / "qwen3-tp2" / "step=6.ckpt"

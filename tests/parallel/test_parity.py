@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import CLIP, reference_run
 
@@ -124,6 +125,7 @@ PARITY_TABLE: dict[str, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
+@ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     runs = SpecRuns(tmp_path_factory.mktemp("parity"))
     for world in sorted({run.world for run in RUNS.values()}):

@@ -1,0 +1,135 @@
+"""Module fixtures whose launches may run ahead of their module, on the cores the suite's waiting tests leave idle.
+
+About a third of the suite's core-seconds were idle on the 2-core machine (767 tests at fda05e8: 581 idle
+core-seconds in 1007 s): the SLURM jobs, the replica groups' heartbeats and quorums, the wheel's install, the dead
+ranks' timeouts and the main jobs' W&B start-ups wait more than they compute. A module fixture whose work is only
+multi-process launches (workers that write their results to files) can run in a background thread meanwhile:
+
+    @pytest.fixture(scope="module")
+    @ahead
+    def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
+        ...  # launches only: no in-process torch work (the global RNG and torch's state are not per thread)
+
+``tests/conftest.py`` runs the waiting modules first (``WAITING``), and while they run (after the session's last
+``alone`` test: those are timed) the fixtures of the modules still to come start one after another, in the
+order of ``QUEUE``; their processes run at nice 19, so the waiting tests' own processes get the CPU whenever they
+want it. When the waiting modules are done no further one starts. A module whose fixture ran ahead reads its
+result (or gets its exception: a failed spec still fails only the tests that read it, as ``harness.SpecRuns``
+says); one that has not started runs in the foreground as before. Nothing is shared but the result: a fixture
+that ran ahead ran exactly the launches it runs in the foreground, with the environment the session started with.
+Under ``pytest -n N`` (several workers) and without the conftest's plan, nothing runs ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+NICE = 19  # the background launches' niceness: they get the CPU the foreground does not want
+
+
+class Ahead:
+    """The fixtures that may run ahead, the queue of those this session will need, and the background thread."""
+
+    def __init__(self) -> None:
+        # "MODULE::FIXTURE" (the test module's path from the repository's root) -> the fixture's body
+        self.offered: dict[str, Callable] = {}
+        self.queue: list[str] = []
+        self.state: dict[str, str] = {}  # key -> "running" | "done"
+        self.outcome: dict[str, tuple[bool, object]] = {}  # key -> (ok, result or exception)
+        self.seconds: dict[str, float] = {}
+        self.cond = threading.Condition()
+        self.open = False
+        self.factory = None
+        self.environ: dict[str, str] | None = None
+        self.thread: threading.Thread | None = None
+
+    def offer(self, key: str, body: Callable) -> None:
+        self.offered[key] = body
+
+    def plan(self, modules: list[str], environ: dict[str, str]) -> None:
+        """The modules whose fixtures may run ahead, in order (a module's in the order it defines them);
+        ``environ``: the environment their launches get (the session's, before any test changed it)."""
+        with self.cond:
+            self.queue = [key for module in modules for key in self.offered if key.split("::")[0] == module]
+            self.environ = dict(environ)
+
+    def provide(self, factory) -> None:
+        """The session's tmp_path_factory (a session fixture of tests/conftest.py hands it over)."""
+        with self.cond:
+            self.factory = factory
+            self.cond.notify_all()
+
+    def start(self) -> None:
+        """Let queued fixtures start (the thread is made on the first call)."""
+        with self.cond:
+            if not self.queue and self.thread is None:
+                return
+            self.open = True
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="cuboid-ahead", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """No further fixture starts ahead (the one running goes on)."""
+        with self.cond:
+            self.open = False
+
+    def quiet(self) -> None:
+        """Close, and wait until no fixture runs ahead (an ``alone`` test: nothing else may run meanwhile)."""
+        with self.cond:
+            self.open = False
+            self.cond.wait_for(lambda: "running" not in self.state.values())
+
+    def take(self, key: str, body: Callable, *args):
+        """The fixture's result: from the background (waiting for it if it runs), or computed here and now."""
+        with self.cond:
+            if key in self.queue:
+                self.queue.remove(key)
+            self.cond.wait_for(lambda: self.state.get(key) != "running")
+            ran = self.outcome.pop(key, None)
+        if ran is None:
+            return body(*args)
+        ok, value = ran
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        import harness
+
+        harness.LOCAL.environ = {**self.environ, "CUBOID_TEST_NICE": str(NICE)}
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.open and self.queue and self.factory is not None)
+                key = self.queue.pop(0)
+                self.state[key] = "running"
+            start = time.monotonic()
+            try:
+                outcome = (True, self.offered[key](self.factory))
+            except BaseException as e:  # noqa: BLE001  (pytest.fail's Failed too: re-raised in the module's fixture)
+                outcome = (False, e)
+            with self.cond:
+                self.seconds[key] = time.monotonic() - start
+                self.outcome[key], self.state[key] = outcome, "done"
+                self.cond.notify_all()
+
+
+AHEAD = Ahead()
+
+
+def ahead(body: Callable) -> Callable:
+    """Mark a module fixture's body (its one argument: ``tmp_path_factory``) as one that may run ahead."""
+    module = Path(body.__code__.co_filename).resolve().relative_to(Path(__file__).resolve().parents[1])
+    key = f"{module.as_posix()}::{body.__name__}"
+    AHEAD.offer(key, body)
+
+    @functools.wraps(body)
+    def fixture(tmp_path_factory):
+        return AHEAD.take(key, body, tmp_path_factory)
+
+    return fixture
