@@ -70,6 +70,9 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# a job that becomes eligible (a requeued one, cred_expire above) starts within a second or two, not at the next
+# periodic pass (SLURM's defaults: backfill every 30 s, the main loop every 60 s); two nodes cost nothing to scan.
+SchedulerParameters=bf_interval=1,sched_interval=2
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
