@@ -10,14 +10,17 @@ multi-process launches (workers that write their results to files) can run in a 
     def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
         ...  # launches only: no in-process torch work (the global RNG and torch's state are not per thread)
 
-``tests/conftest.py`` runs the waiting modules first (``WAITING``), and while they run (after the session's last
-``alone`` test: those are timed) the fixtures of the modules still to come start one after another, in the
-order of ``QUEUE``; their processes run at nice 19, so the waiting tests' own processes get the CPU whenever they
-want it. When the waiting modules are done no further one starts. A module whose fixture ran ahead reads its
-result (or gets its exception: a failed spec still fails only the tests that read it, as ``harness.SpecRuns``
-says); one that has not started runs in the foreground as before. Nothing is shared but the result: a fixture
-that ran ahead ran exactly the launches it runs in the foreground, with the environment the session started with.
-Under ``pytest -n N`` (several workers) and without the conftest's plan, nothing runs ahead.
+``tests/conftest.py`` runs the waiting modules first (``WAITING``). From the session's last ``alone`` test on (those
+are timed: nothing runs ahead during one, and they lead) a background thread runs the ``@ahead`` fixtures the
+selected tests need, one at a time, those of the run's last modules first: the foreground comes from the front,
+so it seldom reaches a fixture that is still running (it then waits for it, and the fixture has the CPU to
+itself). Their processes run at nice 19 in a session whose autogroup is nice 19 too, so they get the CPU the
+foreground leaves: the waiting tests' idle cores, then the single-process phases (references) of the modules
+after them. A module whose fixture ran ahead reads its result (or gets its exception: a failed spec still fails
+only the tests that read it, as ``harness.SpecRuns`` says); one that has not started runs in the foreground as
+before. Nothing is shared but the result: a fixture that ran ahead ran exactly the launches it runs in the
+foreground, with the environment the session started with. Under ``pytest -n N`` (several workers), with
+``CUBOID_TEST_AHEAD=0`` and without the conftest's plan, nothing runs ahead.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ class Ahead:
     def offer(self, key: str, body: Callable) -> None:
         self.offered[key] = body
 
-    def plan(self, modules: list[str], environ: dict[str, str]) -> None:
-        """The modules whose fixtures may run ahead, in order (a module's in the order it defines them);
-        ``environ``: the environment their launches get (the session's, before any test changed it)."""
+    def plan(self, keys: list[str], environ: dict[str, str]) -> None:
+        """The fixtures that may run ahead (``MODULE::FIXTURE``), in the order they start; ``environ``: the
+        environment their launches get (the session's, before any test changed it)."""
         with self.cond:
-            self.queue = [key for module in modules for key in self.offered if key.split("::")[0] == module]
+            self.queue = [key for key in keys if key in self.offered]
             self.environ = dict(environ)
 
     def provide(self, factory) -> None:

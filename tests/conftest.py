@@ -79,17 +79,21 @@ def pytest_collection_finish(session) -> None:
     session.items.sort(key=key)
     alone = [i for i, item in enumerate(session.items) if item.get_closest_marker("alone")]
     for i, item in enumerate(session.items):
-        if item.nodeid.split("::")[0] not in waiting:
-            _PHASE[item.nodeid] = "close"
-        elif i in alone:
+        if i in alone:
             _PHASE[item.nodeid] = "quiet"
         elif i > max(alone, default=-1):
             _PHASE[item.nodeid] = "open"
-    modules = list(dict.fromkeys(item.nodeid.split("::")[0] for item in session.items))
-    AHEAD.plan([m for m in QUEUE if m in modules and m not in waiting], os.environ)
+    # The fixtures a selected test needs, those of the end of the run first: the foreground comes from its front, so
+    # it seldom reaches one that is still running (and then waits for it while it runs alone, at full speed).
+    needed: dict[str, None] = {}
+    for item in reversed(session.items):
+        module = item.nodeid.split("::")[0]
+        if module not in waiting:
+            needed.update(dict.fromkeys(f"{module}::{name}" for name in item.fixturenames))
+    AHEAD.plan([key for key in needed if key in AHEAD.offered], os.environ)
 
 
-_PHASE: dict[str, str] = {}  # nodeid -> what runs ahead while it runs: "open" (start), "quiet" (nothing), "close"
+_PHASE: dict[str, str] = {}  # nodeid -> what runs ahead meanwhile: "open" (fixtures may start), "quiet" (nothing)
 
 # The modules that wait more than they compute (idle core-seconds of the 2-core machine at fda05e8, of the
 # module's seconds), run first in one pytest process: those with timed tests (marked alone: nothing runs ahead
@@ -103,14 +107,6 @@ WAITING = (
     "tests/job/test_shell.py",  # 52 of 82
     "tests/job/test_quiet_run.py",  # 27 of 34
     "tests/job/test_run_lock.py",  # 12 of 12
-)
-# The modules whose fixtures may run ahead (@ahead), in the order they start: the largest first.
-QUEUE = (
-    "tests/parallel/test_parity.py",
-    "tests/checkpoint/test_checkpoint.py",
-    "tests/context/test_context_parallel.py",
-    "tests/measure/test_ledger.py",
-    "tests/models/test_third_party.py",
 )
 
 
@@ -161,7 +157,7 @@ def pytest_runtest_protocol(item, nextitem):
     if phase:
         from ahead import AHEAD
 
-        {"open": AHEAD.start, "quiet": AHEAD.quiet, "close": AHEAD.close}[phase]()
+        {"open": AHEAD.start, "quiet": AHEAD.quiet}[phase]()
     busy, start = (_cpu_seconds(), time.monotonic()) if CPU_LOG else (0.0, 0.0)
     with harness.SUITE_LOCK.hold(exclusive=item.get_closest_marker("alone") is not None):
         yield

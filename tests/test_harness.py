@@ -120,7 +120,7 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     for body in (seen, fails, blocks, thread):
         ahead.offer(f"tests/m.py::{body.__name__}", body)
     monkeypatch.setenv("PROBE", "the session's")
-    ahead.plan(["tests/m.py"], os.environ)
+    ahead.plan([f"tests/m.py::{body.__name__}" for body in (seen, fails, blocks, thread)], os.environ)
     monkeypatch.setenv("PROBE", "a test's")
     ahead.start()  # nothing runs before the session's tmp_path_factory is handed over
     time.sleep(0.3)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import third_party
 import torch
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import ADAMW, GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEED, parity_errors
 
@@ -41,7 +42,8 @@ def clip_of(name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]]:
+@ahead
+def launched(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("fabric")
     fabric_ckpt, trainer_dir = out / "fabric-step6", out / "trainer"
 
@@ -72,7 +74,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
     ]
     resumed = [{**spec, "steps": 2 * STEPS, "clip": CLIP["hf_llama"]} for spec in resumed]
     got.launch(4, WORKERS / "fabric_worker.py", specs(4) + resumed)
-    yield got
+    return got
+
+
+@pytest.fixture(scope="module")
+def results(launched: SpecRuns) -> Iterator[SpecRuns]:
+    yield launched
     print("\nFabric loop parity (max relative loss error, max absolute parameter error):")
     for name, (rel, err) in TABLE.items():
         print(f"  {name:28s} {rel:.1e} {err:.1e}")

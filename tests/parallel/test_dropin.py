@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import (
     ADAMW,
@@ -74,6 +75,7 @@ def _specs(out) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+@ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("dropin")
     specs = _specs(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors, reference_run
 
@@ -22,6 +23,7 @@ FORMATS = ("sharded", "full")
 
 
 @pytest.fixture(scope="module")
+@ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("callbacks")
     launches: dict[int, list[dict]] = {1: [], 2: []}
