@@ -62,6 +62,9 @@ class Ahead:
 
     def provide(self, factory) -> None:
         """The session's tmp_path_factory (a session fixture of tests/conftest.py hands it over)."""
+        # pytest makes its base directory at the first call, unguarded: made here, before any thread can call it (two
+        # first calls at once, this thread's and the background's, made two and mktemp refused its own directory)
+        factory.getbasetemp()
         with self.cond:
             self.factory = factory
             self.cond.notify_all()

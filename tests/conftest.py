@@ -250,7 +250,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if ahead is not None and ahead.AHEAD.seconds:
         done = ahead.AHEAD.seconds
         terminalreporter.section(
-            f"{len(done)} module fixtures ran ahead, while the waiting modules ran (tests/ahead.py)"
+            f"{len(done)} module fixtures ran ahead of their modules (tests/ahead.py), in this order"
         )
         for key, seconds in done.items():
             write(f"{seconds:7.1f} s  {key}")
