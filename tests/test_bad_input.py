@@ -71,12 +71,13 @@ def _damaged_checkpoint() -> None:
 
     from cuboid.checkpoint.sharded import verify_checkpoint, write_checksums
 
-    root = Path(tempfile.mkdtemp(prefix="cuboid-damaged-")) / "step=5.ckpt"
-    root.mkdir()
-    (root / "__1_0.distcp").write_bytes(b"shard")
-    write_checksums(root)
-    (root / "__1_0.distcp").write_bytes(b"shart")
-    verify_checkpoint(root)
+    with tempfile.TemporaryDirectory(prefix="cuboid-damaged-") as scratch:
+        root = Path(scratch) / "step=5.ckpt"
+        root.mkdir()
+        (root / "__1_0.distcp").write_bytes(b"shard")
+        write_checksums(root)
+        (root / "__1_0.distcp").write_bytes(b"shart")
+        verify_checkpoint(root)
 
 
 def _slurm_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:

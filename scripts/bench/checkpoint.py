@@ -90,7 +90,8 @@ def worker(args: argparse.Namespace) -> None:
     module = LM(args.model)
     data = torch.randint(0, 256, (2 * world, 65))
     trainer.fit(module, DataLoader(data, batch_size=2))
-    root = Path(strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-")))
+    # rank 0 makes it (and removes it at the end); the others use its path
+    root = Path(strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-") if strategy.global_rank == 0 else None))
     local = local_state(module, trainer.optimizers[0])
     mb = sum(t.numel() * t.element_size() for t in local.values()) / 2**20
     result: dict[str, float] = {"mb_per_rank": mb}

@@ -56,7 +56,10 @@ def worker(args: argparse.Namespace) -> None:
     data = DataLoader(torch.randint(0, 256, (4 * world, 33), generator=torch.Generator().manual_seed(0)), batch_size=2)
     trainer, strategy = _trainer(world, 1, [])
     trainer.fit(CausalLM(model=args.model, meta_init=True, warmup_steps=1, max_steps=4), data)
-    root = Path(strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-resume-")))
+    # rank 0 makes it (and removes it at the end); the others use its path
+    root = Path(
+        strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-resume-") if strategy.global_rank == 0 else None)
+    )
     trainer.save_checkpoint(root / "step1.ckpt")
     rows = []
     for mode in MODES:
