@@ -77,11 +77,12 @@ def pytest_collection_finish(session) -> None:
         return (waiting.get(module, len(waiting)), not alone if module in waiting else False, order[id(item)])
 
     session.items.sort(key=key)
-    alone = [i for i, item in enumerate(session.items) if item.get_closest_marker("alone")]
+    alone = {i for i, item in enumerate(session.items) if item.get_closest_marker("alone")}
+    last_alone = max(alone, default=-1)
     for i, item in enumerate(session.items):
         if i in alone:
             _PHASE[item.nodeid] = "quiet"
-        elif i > max(alone, default=-1):
+        elif i > last_alone:
             _PHASE[item.nodeid] = "open"
     # The fixtures a selected test needs, those of the end of the run first: the foreground comes from its front, so
     # it seldom reaches one that is still running (and then waits for it while it runs alone, at full speed).

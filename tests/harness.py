@@ -103,9 +103,18 @@ def python(
 
 def niced(env: dict[str, str]):
     """What a fresh process of a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py) runs before its
-    program: lower its priority; None for every other."""
+    program: a session of its own with a lower priority, as the fork server's agents take
+    (``forkserver.lower_priority``); None for every other."""
     nice = int(env.get("CUBOID_TEST_NICE") or 0)
-    return (lambda: os.nice(nice)) if nice else None
+    if not nice:
+        return None
+    from forkserver import lower_priority
+
+    def lower() -> None:
+        os.setsid()  # its own autogroup: lowering this one's priority leaves the suite's session as it is
+        lower_priority(nice)
+
+    return lower
 
 
 def interpreter() -> str:
