@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 NICE = 19  # the background launches' niceness: they get the CPU the foreground does not want
+PEER_TIMEOUT = 300  # seconds without a heartbeat before a rank of a launch that runs ahead is taken for dead
 
 
 class Ahead:
@@ -108,7 +109,14 @@ class Ahead:
     def _run(self) -> None:
         import harness
 
-        harness.LOCAL.environ = {**self.environ, "CUBOID_TEST_NICE": str(NICE)}
+        # A rank at nice 19 can wait seconds for a core on a loaded machine: its peers' watchdogs (6 s by default)
+        # took it for dead once (rank 0 of a 4-rank launch, "stopped responding for 13 s", the machine 3x slower
+        # than usual). Launches that run ahead give a rank 300 s; the tests of that watchdog run in the foreground.
+        harness.LOCAL.environ = {
+            **self.environ,
+            "CUBOID_TEST_NICE": str(NICE),
+            "CUBOID_PEER_TIMEOUT": str(PEER_TIMEOUT),
+        }
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.open and self.queue and self.factory is not None)

@@ -106,7 +106,7 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
 
     group = "/proc/self/autogroup"  # absent on a kernel without autogroups: then "-" for the session's niceness
     probe = f"import os; g = {group!r}; print(os.nice(0), open(g).read().split()[-1] if os.path.exists(g) else '-', "
-    probe += "os.environ['PROBE'])"
+    probe += "os.environ['PROBE'], os.environ.get('CUBOID_PEER_TIMEOUT', '-'))"
     grouped = os.path.exists(group)
     ours = open(group).read().split()[-1] if grouped else "-"  # the suite's own session's niceness
 
@@ -140,7 +140,7 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     ahead.quiet()
     assert ahead.state == dict.fromkeys(["tests/m.py::seen", "tests/m.py::fails", "tests/m.py::blocks"], "done")
     niceness = ["19", "19" if grouped else "-"]
-    assert ahead.take("tests/m.py::seen", seen, tmp_path_factory) == [[*niceness, "the", "session's"]] * 2
+    assert ahead.take("tests/m.py::seen", seen, tmp_path_factory) == [[*niceness, "the", "session's", "300"]] * 2
     if grouped:  # the suite's own session keeps its priority
         assert open(group).read().split()[-1] == ours
     with pytest.raises(pytest.fail.Exception, match="spec x left no result"):
