@@ -18,7 +18,7 @@ from cuboid.checkpoint import CheckpointDamaged, CheckpointError, PretrainedErro
 from cuboid.context import ContextParallelError
 from cuboid.experts import ExpertParallelError
 from cuboid.fabric import CuboidStrategy as FabricCuboidStrategy
-from cuboid.job import RunDirectoryBusy, UnevenBatchesError
+from cuboid.job import PeerBatchesDiffer, RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
 from cuboid.replicas import FaultTolerance
@@ -43,6 +43,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "NonFiniteError",
+    "PeerBatchesDiffer",
     "PipelineError",
     "PlanError",
     "PretrainedError",

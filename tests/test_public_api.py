@@ -40,6 +40,7 @@ PUBLIC = [
     "cuboid.NonFiniteError",
     "cuboid.RunDirectoryBusy",
     "cuboid.UnevenBatchesError",
+    "cuboid.PeerBatchesDiffer",
     "cuboid.CommLedger",
     "cuboid.CuboidMonitor",
     "cuboid.latest_checkpoint",

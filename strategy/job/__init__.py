@@ -1,6 +1,6 @@
 """A job's life outside the training step: launching, stopping together on preemption and requeueing,
-the dead-rank watchdog, hung collectives, even batches across ranks, the run directory's lock, and
-:class:`JobGuard`, which the strategy holds."""
+the dead-rank watchdog, hung collectives, even batches across ranks, the same batch on tp/cp/pp peers, the run
+directory's lock, and :class:`JobGuard`, which the strategy holds."""
 
 from cuboid.job.even_batches import UnevenBatchesError
 from cuboid.job.guard import JobGuard
@@ -11,11 +11,13 @@ from cuboid.job.launch import (
     forget_previous_launch,
     start_process_group,
 )
+from cuboid.job.peer_batches import PeerBatchesDiffer
 from cuboid.job.run_lock import RunDirectoryBusy
 
 __all__ = [
     "CuboidLauncher",
     "JobGuard",
+    "PeerBatchesDiffer",
     "RunDirectoryBusy",
     "UnevenBatchesError",
     "check_before_launch",

@@ -1,7 +1,8 @@
 """What the strategy does about a job's faults, in one place: the peer watchdog (a dead rank), the per-step stop
-agreement (signals, preemption, a failed background save), even batch counts, collective timeouts and the flight
-recorder (a hang), and one run per checkpoint directory. :class:`CuboidStrategy` calls these hooks from its own;
-each part lives in its own module (``watchdog``, ``stopping``, ``even_batches``, ``hangs``, ``run_lock``)."""
+agreement (signals, preemption, a failed background save), even batch counts, the same batch on a data-parallel
+rank's peers, collective timeouts and the flight recorder (a hang), and one run per checkpoint directory.
+:class:`CuboidStrategy` calls these hooks from its own; each part lives in its own module (``watchdog``,
+``stopping``, ``even_batches``, ``peer_batches``, ``hangs``, ``run_lock``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from cuboid import compat
 from cuboid.job import hangs, stopping
 from cuboid.job.even_batches import EvenBatches
+from cuboid.job.peer_batches import PeerBatches
 from cuboid.job.run_lock import RunDirectoryBusy, RunLock
 from cuboid.job.watchdog import PeerWatchdog
 
@@ -35,6 +37,7 @@ class JobGuard:
         self.watchdog: PeerWatchdog | None = None
         self.stop: stopping.StopAgreement | None = None
         self.even: EvenBatches | None = None
+        self.peers: PeerBatches | None = None
         self.hang: hangs.HangReport | None = None
         self.locks: list[RunLock] = []  # rank 0: the checkpoint directories this fit writes to
         self.preempted_to: Path | None = None  # the checkpoint a preemption signal made the last fit save
@@ -74,6 +77,9 @@ class JobGuard:
     ) -> None:
         self.even = EvenBatches(trainer, self.host_group)
         self.even.install()
+        dealt = trainer.strategy.distributed_sampler_kwargs  # the data-parallel ranks: peers share a rank
+        self.peers = PeerBatches(trainer, self.host_group, dealt["rank"], trainer.strategy.dp_mesh.size())
+        self.peers.install()
         if fitting:
             self._lock_checkpoint_dirs(trainer)
             self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure, settle_saves)
@@ -141,6 +147,9 @@ class JobGuard:
         if self.even is not None:
             self.even.uninstall()
             self.even = None
+        if self.peers is not None:
+            self.peers.uninstall()
+            self.peers = None
         if self.stop is not None:
             self.stop.uninstall()
             self.preempted_to = self.stop.preempted_to or self.preempted_to

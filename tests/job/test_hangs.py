@@ -20,10 +20,11 @@ def _fault_run(tmp_path, scenario: str, nprocs: int, timeout: float = 150) -> tu
     return code, out, closed, _rank_facts(tmp_path, nprocs)
 
 
-def _forked_run(tmp_path, scenario: str) -> tuple[list[int | None], str, dict[int, dict]]:
-    ran = launch(2, WORKERS / "fault_worker.py", str(tmp_path), scenario, timeout=150)
+def _forked_run(tmp_path, scenario: str, nprocs: int = 2) -> tuple[list[int | None], str, dict[int, dict]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ran = launch(nprocs, WORKERS / "fault_worker.py", str(tmp_path), scenario, timeout=150)
     assert not ran.timed_out, ran.message()
-    return ran.codes, ran.out, _rank_facts(tmp_path, 2)
+    return ran.codes, ran.out, _rank_facts(tmp_path, nprocs)
 
 
 def _rank_facts(tmp_path, nprocs: int) -> dict[int, dict]:
@@ -86,3 +87,28 @@ def test_loaders_without_a_length_end_together_when_one_rank_runs_out(tmp_path) 
         assert ranks[rank]["global_step"] == 10 and ranks[rank]["seen"] == {"train": 10, "val": 4}, ranks[rank]
     assert "training: a rank's data loader (it has no length) ran out before the others'" in out
     assert "validation: a rank's data loader (it has no length) ran out before the others'" in out
+
+
+@pytest.mark.slow
+def test_peers_given_different_batches_stop_before_the_first_step_and_the_named_fix_trains(tmp_path) -> None:
+    """A stream the module deals over every rank by hand (``dist.get_rank()``, as users shard an IterableDataset) at
+    dp2 x tp2: the tp peers would train on different samples. Every rank stops before the first step, naming each
+    data-parallel rank's peers and the fix; the same stream dealt as the message says
+    (``trainer.strategy.distributed_sampler_kwargs``) trains at tp2 with both ranks on the same samples. Without the
+    check, the first run trained its 3 steps with no error, its first batch ids 0, 4 on rank 0 and 1, 5 on rank 1
+    (checked by hand)."""
+    codes, out, ranks = _forked_run(tmp_path / "by_rank", "peers_by_rank", 4)
+    assert all(codes), out[-4000:]
+    for rank in range(4):
+        facts = ranks[rank]
+        assert facts["exception"] == "PeerBatchesDiffer", facts
+        assert facts["global_step"] == 0 and facts["seen"] == {"ids": []}, facts
+        message = facts["message"]
+        assert "training, epoch 0: ranks that must read the same batch were given different ones" in message, message
+        assert "data-parallel rank 0: rank 0 / rank 1; data-parallel rank 1: rank 2 / rank 3" in message, message
+        assert "Deal your data over the 2 data-parallel ranks only" in message, message
+    codes, out, ranks = _forked_run(tmp_path / "by_dp", "peers_by_dp", 2)
+    assert not any(codes), out[-4000:]
+    assert ranks[0]["exception"] is None and ranks[0]["global_step"] == 3, ranks[0]
+    assert ranks[0]["seen"] == ranks[1]["seen"] == {"ids": [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15],
+                                                            [16, 17, 18, 19, 20, 21, 22, 23]]}, ranks  # fmt: skip

@@ -9,9 +9,12 @@ SCENARIO (N):
   uneven_val (2)      dp2, even training, validation 3 batches on rank 0 and 4 on rank 1.
   iterable (2)        dp2, IterableDatasets: training 5 batches on rank 0 and 7 on rank 1 (2 epochs); validation 3
                       and 2 batches.
+  peers_by_rank (4)   dp2 x tp2 reference Llama, a token stream the module deals over every rank by hand
+                      (``torch.distributed.get_rank()``), as users shard an IterableDataset.
+  peers_by_dp (2)     tp2, the same stream dealt over ``trainer.strategy.distributed_sampler_kwargs``: 3 steps.
 
 Each rank that returns writes OUT_DIR/rank<r>.json: the exception (type, text with notes) or None, the global step,
-and the batches each step hook saw.
+and the batches each step hook saw (for the streams: the sample ids of each training batch).
 """
 
 from __future__ import annotations
@@ -78,6 +81,37 @@ class Stream(IterableDataset):
             yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
+class DealtStream(IterableDataset):
+    """Token windows dealt over ``world`` ranks by hand, as users shard a stream: this rank takes every world-th."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.data = rank, world, TokenDataset(n=96)
+
+    def __iter__(self):
+        for i in range(self.rank, len(self.data), self.world):
+            yield self.data[i]
+
+
+class StreamedLlama(LlamaModule):
+    """Its own ``train_dataloader``, made once the processes exist; ``by``: how it deals the stream."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by, self.seen = by, {"ids": []}
+
+    def train_dataloader(self):
+        if self.by == "rank":  # every rank its own share: what the check must stop
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:  # the data-parallel ranks, as the error says
+            dealt = self.trainer.strategy.distributed_sampler_kwargs
+            rank, world = dealt["rank"], dealt["num_replicas"]
+        return DataLoader(DealtStream(rank, world), batch_size=GLOBAL_BATCH // world)
+
+    def training_step(self, batch, batch_idx):
+        self.seen["ids"].append(batch["idx"].tolist())
+        return super().training_step(batch, batch_idx)
+
+
 def tensors(batches: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randn(4 * batches, 8, generator=g), torch.randn(4 * batches, 1, generator=g))
@@ -108,6 +142,11 @@ def main() -> None:
         module = Regressor()
         train = DataLoader(Stream(5 if rank == 0 else 7), batch_size=None)
         val = DataLoader(Stream(3 if rank == 0 else 2), batch_size=None)
+    elif scenario in ("peers_by_rank", "peers_by_dp"):
+        dp = 2 if scenario == "peers_by_rank" else 1
+        strategy = CuboidStrategy(data_parallel_shard=dp, tensor_parallel=2, timeout=20)
+        trainer = L.Trainer(devices=2 * dp, strategy=strategy, max_steps=3, **common)
+        module, train, val = StreamedLlama(scenario.removeprefix("peers_by_")), None, None
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     facts: dict = {"exception": None}
