@@ -47,7 +47,9 @@ def test_a_stuck_rank_times_out_with_the_collective_its_dimension_and_the_rank_n
     assert closed - stalled < 4 + 12, (closed - stalled, out[-4000:])
     assert 1 not in ranks  # the stuck rank was stopped by its watchdog, from the store's mark
     assert "Cuboid (rank 1): a collective timed out" in out and "exit code 3" in out, out[-4000:]
-    stuck_line = "fault_worker.py:45 in training_step (time.sleep(120)"
+    source = (WORKERS / "fault_worker.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if text.strip().startswith("time.sleep(120)"))
+    stuck_line = f"fault_worker.py:{line} in training_step (time.sleep(120)"
     assert stuck_line in out, out[-4000:]
     zero, three = ranks[0]["message"], ranks[3]["message"]
     assert "Cuboid: rank 0: all_reduce over mesh dimension 'tp' (ranks [0, 1]" in zero, zero
