@@ -1,4 +1,5 @@
-"""Code nobody here wrote: transformers' Llama, Qwen3 and ViT in plain LightningModules, at the parity bound.
+"""Code nobody here wrote: transformers' Llama, Qwen3, Gemma 3, Phi-3 and ViT in plain LightningModules, at the
+parity bound.
 
 Each model trains unchanged (its own ``model(..., labels=...).loss``, a torchmetrics ``MeanMetric``) under
 Cuboid and must match single-process fp32 training of the same model with the bound of test_parity
@@ -41,6 +42,10 @@ RUNS: dict[str, Run] = {
     "hf_vit-dp2": Run(2, {"model": "hf_vit", "strategy": {}}),
     "hf_qwen3-dp2xtp2": Run(4, {"model": "hf_qwen3", "strategy": TP2}),
     "hf_vit-dp2xtp2": Run(4, {"model": "hf_vit", "strategy": {**TP2, "tensor_parallel_plan": third_party.VIT_PLAN}}),
+    # Gemma 3: its head tied to its embedding (one parameter under tp), sliding and global layers, per-head norms
+    "hf_gemma3-tp2": Run(2, {"model": "hf_gemma3", "strategy": TP2}),
+    # Phi-3: fused projections (qkv_proj, gate_up_proj) whose plan gathers their outputs
+    "hf_phi3-dp2xtp2": Run(4, {"model": "hf_phi3", "strategy": TP2}),
     "hf_llama-hsdp2x2-ac_selective": Run(
         4,
         {"model": "hf_llama", "strategy": {"data_parallel_replicate": 2, "activation_checkpointing": "selective"}},
