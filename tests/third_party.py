@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
 
 FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf_qwen3_moe", "hf_mixtral",
-            "hf_minicpm5_moe", "hf_phi3", "hf_gemma3")  # fmt: skip
+            "hf_minicpm5_moe", "hf_phi3", "hf_gemma3", "hf_deepseek_v3")  # fmt: skip
 # Mixture-of-experts families: their loss adds the router's load-balancing loss (output_router_logits), which is
 # not linear in the batch, so data-parallel training's loss is the mean of the ranks' own (see reference_run).
 MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
@@ -24,7 +24,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
-        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9}  # fmt: skip
+        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -80,6 +80,14 @@ def hf_config(family: str):
         return transformers.Phi3Config(
             vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, **ids, **small
         )
+    if family == "hf_deepseek_v3":  # multi-head latent attention (its plan's mla_kv_a_proj), a dense first layer,
+        # routed experts beside a shared one, sigmoid routing with a score-correction bias
+        return transformers.DeepseekV3Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, **ids,
+        )  # fmt: skip
     if family == "hf_gemma3":  # sliding and global layers, scaled embeddings, per-head q/k norms, a tied head
         return transformers.Gemma3TextConfig(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,

@@ -49,7 +49,7 @@ class ParallelSettings:
         parallelize(
             parts,
             tp_root=tp_root,
-            tp_plan=plans.parallel_plan(matched),
+            tp_plan=plans.parallel_plan(matched, tp_root),
             tp_mesh=self.tp_mesh,
             dp_mesh=self.dp_mesh,
             mp_policy=self.mp_policy,

@@ -233,10 +233,32 @@ def _split_adapters(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, t
     return out
 
 
-def parallel_plan(matched: Mapping[str, tuple[nn.Module, str]]) -> dict[str, ParallelStyle]:
-    """Concrete module names -> DTensor styles, for ``parallelize_module``."""
-    styles = {name: to_parallel_style(style) for name, (_, style) in matched.items()}
+def parallel_plan(
+    matched: Mapping[str, tuple[nn.Module, str]], root: nn.Module | None = None
+) -> dict[str, ParallelStyle]:
+    """Concrete module names (of ``root``) -> DTensor styles, for ``parallelize_module``."""
+    styles = {
+        name: to_parallel_style(style, _rope_dim(root, name) if style == "mla_kv_a_proj" else None)
+        for name, (_, style) in matched.items()
+    }
     return {name: style for name, style in styles.items() if style is not None}
+
+
+def _rope_dim(root: nn.Module | None, name: str) -> int:
+    """The rotary features of an MLA K/V down-projection's output: ``qk_rope_head_dim`` of the attention module
+    that owns it (or of its ``config``), as transformers' DeepSeek attention keeps it."""
+    owner = root.get_submodule(name.rpartition(".")[0]) if root is not None and "." in name else None
+    for source in (owner, getattr(owner, "config", None)):
+        dim = getattr(source, "qk_rope_head_dim", None)
+        if isinstance(dim, int):
+            return dim
+    raise PlanError(
+        f"{name}: 'mla_kv_a_proj' splits the projection's output into its compressed K/V and its rotary key, whose "
+        "width it reads from the owning attention module's qk_rope_head_dim (or its config's); "
+        f"{type(owner).__name__ if owner is not None else 'the owner'} has none. Give the attention module that "
+        "attribute, or use tensor_parallel=1 for this model (without the entry the rotary key's gradient would be this "
+        "rank's heads' share only)."
+    )
 
 
 def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module]]:

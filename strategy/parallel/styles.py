@@ -37,10 +37,13 @@ sequence_local                 a module whole on every tp rank run on a sequence
                                ``rowwise_sequence`` base layer
 local_input                    hand the module its first input as a local tensor, a DTensor made whole
                                (replicated) first: a LoRA layer's ``lora_A`` beside a colwise base layer
+mla_kv_a_proj                  multi-head latent attention's joint K/V down-projection (DeepSeek): weight
+                               replicated; the rotary slice of its output, which every rank's heads share,
+                               gets its gradient summed over tp (the model's ``qk_rope_head_dim`` features)
 =============================  ==========================================================================
 
 Mixture-of-experts and fused-expert styles (``moe_tp_experts``, ``moe_identity_expert``,
-``packed_colwise``, ``packed_rowwise``, ``mla_kv_a_proj``, ``ep_*``) are refused with a message in a user's
+``packed_colwise``, ``packed_rowwise``, ``ep_*``) are refused with a message in a user's
 plan: Cuboid does not split experts over tp (a model's own plan loses those entries, see
 :func:`cuboid.parallel.plans.usable_model_plan`; ``expert_parallel`` splits experts over other ranks).
 """
@@ -83,6 +86,7 @@ STYLES: dict[str, str] = {
     "replicate": "leave the module replicated on every tp rank (nothing to do)",
     "sequence_local": "a module whole on every tp rank on a sequence-sharded local input, gradients summed over tp",
     "local_input": "run the module on its first input as a local tensor, a DTensor input made whole first",
+    "mla_kv_a_proj": "MLA's K/V down-projection: weight replicated, its output's rotary slice's gradient summed over tp",
 }
 ALIASES: dict[str, str] = {
     "colwise_rep": "output",
@@ -97,7 +101,7 @@ ALIASES: dict[str, str] = {
     "unit_rowwise": "rowwise",
 }
 # Styles that shard experts of a mixture-of-experts layer (or fused expert weights): not supported.
-_EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "packed_colwise", "packed_rowwise", "mla_kv_a_proj")
+_EXPERT_STYLES = ("moe_tp_experts", "moe_identity_expert", "packed_colwise", "packed_rowwise")
 
 
 class PlanError(ValueError):
@@ -132,9 +136,14 @@ def canonical_style(style: str, pattern: str = "") -> str:
     )
 
 
-def to_parallel_style(style: str) -> ParallelStyle | None:
-    """Turn a style string into a DTensor ``ParallelStyle`` (``None`` for ``"replicate"``: nothing to apply)."""
+def to_parallel_style(style: str, rope_dim: int | None = None) -> ParallelStyle | None:
+    """Turn a style string into a DTensor ``ParallelStyle`` (``None`` for ``"replicate"``: nothing to apply).
+    ``rope_dim``: for ``"mla_kv_a_proj"``, the model's ``qk_rope_head_dim``."""
     name = canonical_style(style)
+    if name == "mla_kv_a_proj":
+        if rope_dim is None:
+            raise PlanError("'mla_kv_a_proj' needs the model's qk_rope_head_dim (the rotary features it outputs).")
+        return MlaKvAProj(rope_dim)
     if name == "colwise":
         return ColwiseParallel()
     if name == "rowwise":
@@ -231,6 +240,30 @@ class LocalParams(ParallelStyle):
 
         module.register_forward_pre_hook(to_local)
         module.register_forward_hook(restore)
+        return module
+
+
+class MlaKvAProj(ParallelStyle):
+    """Multi-head latent attention's joint K/V down-projection (transformers' ``mla_kv_a_proj``, DeepSeek V2/V3).
+
+    Its output is ``[compressed K/V, rotary key]``. The compressed part goes through ``kv_b_proj`` (colwise),
+    whose input gradient tp already sums; the rotary key (``rope_dim`` features) goes straight to attention, where
+    it is shared by this rank's heads only, so its gradient is a partial sum over tp: summed in backward (forward
+    unchanged). The weight stays replicated, as the norms do, and gets the same gradient on every tp rank."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rope_dim = self.rope_dim
+
+        def sum_rotary_grad(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            compressed, rotary = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+            whole = DTensor.from_local(rotary, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([compressed, whole.to_local(grad_placements=[Partial()])], dim=-1)
+
+        module.register_forward_hook(sum_rotary_grad)
         return module
 
 

@@ -1,5 +1,5 @@
-"""Code nobody here wrote: transformers' Llama, Qwen3, Gemma 3, Phi-3 and ViT in plain LightningModules, at the
-parity bound.
+"""Code nobody here wrote: transformers' Llama, Qwen3, Gemma 3, Phi-3, DeepSeek-V3 and ViT in plain LightningModules,
+at the parity bound.
 
 Each model trains unchanged (its own ``model(..., labels=...).loss``, a torchmetrics ``MeanMetric``) under
 Cuboid and must match single-process fp32 training of the same model with the bound of test_parity
@@ -46,6 +46,8 @@ RUNS: dict[str, Run] = {
     "hf_gemma3-tp2": Run(2, {"model": "hf_gemma3", "strategy": TP2}),
     # Phi-3: fused projections (qkv_proj, gate_up_proj) whose plan gathers their outputs
     "hf_phi3-dp2xtp2": Run(4, {"model": "hf_phi3", "strategy": TP2}),
+    # DeepSeek-V3: multi-head latent attention, whose plan's mla_kv_a_proj sums the shared rotary key's gradient
+    "hf_deepseek_v3-tp2": Run(2, {"model": "hf_deepseek_v3", "strategy": TP2}),
     "hf_llama-hsdp2x2-ac_selective": Run(
         4,
         {"model": "hf_llama", "strategy": {"data_parallel_replicate": 2, "activation_checkpointing": "selective"}},

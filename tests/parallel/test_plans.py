@@ -16,7 +16,7 @@ from cuboid.parallel.plans import (
     match_plan,
     to_parallel_style,
 )
-from cuboid.parallel.styles import LocalParams
+from cuboid.parallel.styles import LocalParams, MlaKvAProj
 
 
 class HFStyleMLP(nn.Module):
@@ -120,7 +120,8 @@ def test_every_transformers_style_is_mapped_with_its_layouts_or_refused_by_name(
     mapped, refused = [], []
     for name, hf_style in registry.items():
         try:
-            ours = to_parallel_style(canonical_style(name, "model.layers.*.x"))
+            canonical = canonical_style(name, "model.layers.*.x")
+            ours = to_parallel_style(canonical, rope_dim=8 if canonical == "mla_kv_a_proj" else None)
         except PlanError as err:
             assert repr(name) in str(err) and "'model.layers.*.x'" in str(err), err
             assert "experts" in str(err), err
@@ -149,6 +150,8 @@ def test_every_transformers_style_is_mapped_with_its_layouts_or_refused_by_name(
             assert ours is None
         elif name == "local_params":
             assert isinstance(ours, LocalParams) and not ours.replicate_plain and ours.grad_placements is None
+        elif isinstance(hf_style, getattr(tp, "MlaKvAProjParallel", ())):  # parity: tests/models/test_third_party.py
+            assert isinstance(ours, MlaKvAProj) and ours.rope_dim == 8, name
         else:
             raise AssertionError(f"transformers style {name!r} ({type(hf_style).__name__}) is mapped but not checked")
     assert {"moe_tp_experts", "packed_colwise", "packed_rowwise"} <= set(refused)
@@ -230,3 +233,23 @@ def test_a_tied_embedding_and_head_stay_one_parameter_under_tp_or_the_plan_is_re
             retie(model, tied)
     finally:
         dist.destroy_process_group()
+
+
+def test_mla_kv_a_proj_reads_the_rotary_width_from_its_attention_module_or_names_what_is_missing() -> None:
+    """DeepSeek's plan gives its K/V down-projection ``mla_kv_a_proj``: the rotary key's width comes from the owning
+    attention module (``qk_rope_head_dim``, or its config's); without one the plan is refused before any work."""
+    from cuboid.parallel.plans import parallel_plan
+
+    class Attention(nn.Module):
+        def __init__(self, rope: int | None) -> None:
+            super().__init__()
+            self.kv_a_proj_with_mqa = nn.Linear(8, 12)
+            if rope is not None:
+                self.config = type("Config", (), {"qk_rope_head_dim": rope})()
+
+    root = nn.Module()
+    root.attn, root.other = Attention(4), Attention(None)
+    style = parallel_plan({"attn.kv_a_proj_with_mqa": (root.attn.kv_a_proj_with_mqa, "mla_kv_a_proj")}, root)
+    assert isinstance(style["attn.kv_a_proj_with_mqa"], MlaKvAProj) and style["attn.kv_a_proj_with_mqa"].rope_dim == 4
+    with pytest.raises(PlanError, match=r"other.kv_a_proj_with_mqa: 'mla_kv_a_proj' splits .* Attention has none"):
+        parallel_plan({"other.kv_a_proj_with_mqa": (root.other.kv_a_proj_with_mqa, "mla_kv_a_proj")}, root)
