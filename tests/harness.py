@@ -97,24 +97,25 @@ def python(
         ran = FORKSERVER.run(cmd[1:], env, cwd, timeout)
         if ran is not None:
             return subprocess.CompletedProcess(cmd, ran[0], ran[1], ran[2])
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-                          preexec_fn=niced(env))  # fmt: skip
+    return subprocess.run(niced(cmd, env), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False, start_new_session=bool(env.get("CUBOID_TEST_NICE")))  # fmt: skip
 
 
-def niced(env: dict[str, str]):
-    """What a fresh process of a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py) runs before its
-    program: a session of its own with a lower priority, as the fork server's agents take
-    (``forkserver.lower_priority``); None for every other."""
+# The priority a fresh process of a launch that runs ahead takes, as the fork server's agents take it
+# (forkserver.lower_priority): its session's autogroup (the caller gives it a session of its own, so the suite's
+# keeps its priority; a kernel without autogroups, or a sandbox that refuses the write, leaves only the niceness),
+# then its own niceness. A shell does it between fork and exec, not a preexec_fn: Python code in the child of a
+# process with threads (the suite's background thread, gloo's) can wait forever on a lock another thread held at
+# the fork (it did: a child blocked before exec, and its parent with it, in an `open` of the preexec_fn).
+_NICED = '{ echo "$0" > /proc/self/autogroup; } 2>/dev/null; exec nice -n "$0" "$@"'
+
+
+def niced(cmd: list[str], env: dict[str, str]) -> list[str]:
+    """``cmd`` as a fresh process of a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py) runs it: at
+    that niceness, in its session's autogroup (start it with ``start_new_session=True``); ``cmd`` itself for every
+    other."""
     nice = int(env.get("CUBOID_TEST_NICE") or 0)
-    if not nice:
-        return None
-    from forkserver import lower_priority
-
-    def lower() -> None:
-        os.setsid()  # its own autogroup: lowering this one's priority leaves the suite's session as it is
-        lower_priority(nice)
-
-    return lower
+    return ["/bin/sh", "-c", _NICED, str(nice), *cmd] if nice else cmd
 
 
 def interpreter() -> str:
@@ -184,8 +185,8 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
         cmd = torchrun_cmd(nprocs, script, *args)
         try:
             env = worker_env()
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                                  preexec_fn=niced(env))  # fmt: skip
+            proc = subprocess.run(niced(cmd, env), cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=timeout, start_new_session=bool(env.get("CUBOID_TEST_NICE")))  # fmt: skip
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
             return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True)
