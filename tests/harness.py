@@ -106,7 +106,8 @@ def python(
 # keeps its priority; a kernel without autogroups, or a sandbox that refuses the write, leaves only the niceness),
 # then its own niceness. A shell does it between fork and exec, not a preexec_fn: Python code in the child of a
 # process with threads (the suite's background thread, gloo's) can wait forever on a lock another thread held at
-# the fork (it did: a child blocked before exec, and its parent with it, in an `open` of the preexec_fn).
+# the fork (it did once in a full run: the child, one thread, waited on a futex before exec, and its parent waited
+# for the exec).
 _NICED = '{ echo "$0" > /proc/self/autogroup; } 2>/dev/null; exec nice -n "$0" "$@"'
 
 
