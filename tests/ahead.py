@@ -33,6 +33,9 @@ from pathlib import Path
 
 NICE = 19  # the background launches' niceness: they get the CPU the foreground does not want
 PEER_TIMEOUT = 300  # seconds without a heartbeat before a rank of a launch that runs ahead is taken for dead
+# Seconds a fixture may run ahead before it is taken for stuck: its tests fail with every thread's stack, and nothing
+# more runs ahead (each launch has its own limit, 600 s; the longest fixture, parity's, takes 4-5 minutes).
+STUCK = 1800
 
 
 class Ahead:
@@ -50,6 +53,17 @@ class Ahead:
         self.factory = None
         self.environ: dict[str, str] | None = None
         self.thread: threading.Thread | None = None
+        self.started = 0.0  # when the fixture running ahead started (time.monotonic)
+
+    def _wait(self, running: Callable[[], bool]) -> bool:
+        """Wait (holding ``self.cond``) while ``running()``, until the fixture running ahead has run :data:`STUCK`
+        seconds at most: True if it has (it is stuck)."""
+        while running():
+            left = STUCK - (time.monotonic() - self.started)
+            if left <= 0:
+                return True
+            self.cond.wait(timeout=left)
+        return False
 
     def offer(self, key: str, body: Callable) -> None:
         self.offered[key] = body
@@ -90,14 +104,20 @@ class Ahead:
         """Close, and wait until no fixture runs ahead (an ``alone`` test: nothing else may run meanwhile)."""
         with self.cond:
             self.open = False
-            self.cond.wait_for(lambda: "running" not in self.state.values())
+            self._wait(lambda: "running" in self.state.values())  # a stuck one fails the tests that read it
 
     def take(self, key: str, body: Callable, *args):
-        """The fixture's result: from the background (waiting for it if it runs), or computed here and now."""
+        """The fixture's result: from the background (waiting for it if it runs), or computed here and now. One that
+        has run ahead for :data:`STUCK` seconds fails its tests with every thread's stack."""
+        import pytest
+
         with self.cond:
             if key in self.queue:
                 self.queue.remove(key)
-            self.cond.wait_for(lambda: self.state.get(key) != "running")
+            if self._wait(lambda: self.state.get(key) == "running"):
+                self.open, stacks = False, _stacks()
+                pytest.fail(f"{key} has run ahead for {time.monotonic() - self.started:.0f} s (the limit: {STUCK} s); "
+                            f"nothing more runs ahead. Every thread of the suite's process:\n{stacks}")  # fmt: skip
             ran = self.outcome.pop(key, None)
         if ran is None:
             return body(*args)
@@ -121,8 +141,8 @@ class Ahead:
             with self.cond:
                 self.cond.wait_for(lambda: self.open and self.queue and self.factory is not None)
                 key = self.queue.pop(0)
-                self.state[key] = "running"
-            start = time.monotonic()
+                self.state[key], self.started = "running", time.monotonic()
+            start = self.started
             try:
                 outcome = (True, self.offered[key](self.factory))
             except BaseException as e:  # noqa: BLE001  (pytest.fail's Failed too: re-raised in the module's fixture)
@@ -131,6 +151,17 @@ class Ahead:
                 self.seconds[key] = time.monotonic() - start
                 self.outcome[key], self.state[key] = outcome, "done"
                 self.cond.notify_all()
+
+
+def _stacks() -> str:
+    """Every thread's Python stack (faulthandler's format)."""
+    import faulthandler
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        return f.read()
 
 
 AHEAD = Ahead()

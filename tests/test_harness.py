@@ -149,3 +149,46 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     assert ahead.take("tests/m.py::blocks", blocks, tmp_path_factory) == "True"
     assert ahead.take("tests/m.py::thread", thread, tmp_path_factory) == threading.current_thread().name
     assert run_checked([sys.executable, "-c", probe], 120).split()[:2] == [str(os.nice(0)), ours]
+
+
+def test_a_fixture_stuck_ahead_fails_its_tests_with_every_threads_stack_and_nothing_more_runs_ahead(
+    tmp_path_factory, monkeypatch
+) -> None:
+    """tests/ahead.py: a fixture that has run ahead for ``STUCK`` seconds (here 0.5) fails the tests that read it,
+    with the suite's threads' stacks (the background thread's shows where it is stuck), instead of the whole run
+    waiting for it; the fixtures queued after it run in the foreground, and an ``alone`` test's wait ends."""
+    import os
+    import re
+    import threading
+
+    import ahead as ahead_module
+    import pytest
+
+    monkeypatch.setattr(ahead_module, "STUCK", 0.5)
+    ahead, gate = ahead_module.Ahead(), threading.Event()
+
+    def stuck_here(factory) -> str:
+        gate.wait(60)
+        return "late"
+
+    def later(factory) -> str:
+        return threading.current_thread().name
+
+    keys = ["tests/m.py::stuck_here", "tests/m.py::later"]
+    ahead.offer(keys[0], stuck_here)
+    ahead.offer(keys[1], later)
+    ahead.plan(keys, os.environ)
+    ahead.provide(tmp_path_factory)
+    ahead.start()
+    try:
+        deadline = time.monotonic() + 60
+        while ahead.state.get(keys[0]) != "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pattern = r"tests/m.py::stuck_here has run ahead for \d+ s \(the limit: 0.5 s\).*in stuck_here"
+        with pytest.raises(pytest.fail.Exception, match=re.compile(pattern, re.S)):
+            ahead.take(keys[0], stuck_here, tmp_path_factory)
+        assert ahead.take(keys[1], later, tmp_path_factory) == threading.current_thread().name
+        assert keys[1] not in ahead.state
+        ahead.quiet()  # returns, though one is still running
+    finally:
+        gate.set()
