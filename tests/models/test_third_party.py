@@ -45,7 +45,7 @@ RUNS: dict[str, Run] = {
     # Gemma 3: its head tied to its embedding (one parameter under tp), sliding and global layers, per-head norms
     "hf_gemma3-tp2": Run(2, {"model": "hf_gemma3", "strategy": TP2}),
     # Phi-3: fused projections (qkv_proj, gate_up_proj) whose plan gathers their outputs
-    "hf_phi3-dp2xtp2": Run(4, {"model": "hf_phi3", "strategy": TP2}),
+    "hf_phi3-tp2": Run(2, {"model": "hf_phi3", "strategy": TP2}),
     # DeepSeek-V3: multi-head latent attention, whose plan's mla_kv_a_proj sums the shared rotary key's gradient
     "hf_deepseek_v3-tp2": Run(2, {"model": "hf_deepseek_v3", "strategy": TP2}),
     "hf_llama-hsdp2x2-ac_selective": Run(
