@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,8 +98,7 @@ def python(
         ran = FORKSERVER.run(cmd[1:], env, cwd, timeout)
         if ran is not None:
             return subprocess.CompletedProcess(cmd, ran[0], ran[1], ran[2])
-    return subprocess.run(niced(cmd, env), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False, start_new_session=bool(env.get("CUBOID_TEST_NICE")))  # fmt: skip
+    return run_fresh(cmd, env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # The priority a fresh process of a launch that runs ahead takes, as the fork server's agents take it
@@ -111,12 +111,13 @@ def python(
 _NICED = '{ echo "$0" > /proc/self/autogroup; } 2>/dev/null; exec nice -n "$0" "$@"'
 
 
-def niced(cmd: list[str], env: dict[str, str]) -> list[str]:
-    """``cmd`` as a fresh process of a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py) runs it: at
-    that niceness, in its session's autogroup (start it with ``start_new_session=True``); ``cmd`` itself for every
-    other."""
+def run_fresh(cmd: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, env=env, **kwargs)``; in a launch that runs ahead (``CUBOID_TEST_NICE``, tests/ahead.py)
+    at that niceness, in a session of its own whose autogroup takes it too."""
     nice = int(env.get("CUBOID_TEST_NICE") or 0)
-    return ["/bin/sh", "-c", _NICED, str(nice), *cmd] if nice else cmd
+    if nice:
+        cmd, kwargs = ["/bin/sh", "-c", _NICED, str(nice), *cmd], {**kwargs, "start_new_session": True}
+    return subprocess.run(cmd, env=env, **kwargs)
 
 
 def interpreter() -> str:
@@ -186,8 +187,7 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
         cmd = torchrun_cmd(nprocs, script, *args)
         try:
             env = worker_env()
-            proc = subprocess.run(niced(cmd, env), cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout, start_new_session=bool(env.get("CUBOID_TEST_NICE")))  # fmt: skip
+            proc = run_fresh(cmd, env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
             return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True)
