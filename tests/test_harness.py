@@ -105,12 +105,21 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     ahead, gate = Ahead(), threading.Event()
 
     # The session's niceness reads "/autogroup-N nice K". A kernel without autogroups has no such file, and some
-    # sandboxes (CI's) have one that reads empty: then "-" for the session's niceness.
+    # sandboxes (CI's) have one that reads empty in the suite's session but well-formed in a new one: then "-" for
+    # the suite's, and what a new session reads, untouched, says whether a launch's session can be lowered.
     group = "/proc/self/autogroup"
     read = f"(lambda w: w[-1] if len(w) == 3 else '-')(open({group!r}).read().split() if os.path.exists({group!r}) else [])"
     probe = f"import os; print(os.nice(0), {read}, os.environ['PROBE'], os.environ.get('CUBOID_PEER_TIMEOUT', '-'))"
     ours = eval(read)  # the suite's own session's niceness
-    grouped = ours != "-"
+    new_session = subprocess.run(
+        [sys.executable, "-c", f"import os; print({read})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        check=True,
+    )
+    grouped = new_session.stdout.strip() != "-"
 
     def seen(factory) -> list[list[str]]:  # what a launch's process sees, forked then fresh
         return [run_checked([sys.executable, "-c", probe], 120, fresh=fresh).split() for fresh in (False, True)]
