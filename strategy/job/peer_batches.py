@@ -33,16 +33,18 @@ class PeerBatchesDiffer(RuntimeError):
 
 def fingerprint(batch: Any) -> str:
     """A digest of a batch's contents: every tensor's dtype, shape and bytes, and the plain values (strings,
-    numbers) around them, in order. Other objects count by their type only (their ``repr`` may hold an address)."""
+    numbers) around them, in order. Other objects count by their type only (their ``repr`` may hold an address).
+    The tensors' bytes are joined on their device and copied to the host once per device (one sync on a GPU, not
+    one per tensor)."""
     digest = hashlib.blake2b(digest_size=8)
+    contents: dict[torch.device, list[torch.Tensor]] = {}
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
             t = value.detach()
             digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             if t.layout == torch.strided and not t.is_nested and t.numel():
-                flat = t.reshape(-1).contiguous()
-                digest.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+                contents.setdefault(t.device, []).append(t.reshape(-1).contiguous().view(torch.uint8))
         elif isinstance(value, Mapping):
             digest.update(f"M{len(value)}".encode())
             for key in sorted(value, key=repr):
@@ -58,15 +60,24 @@ def fingerprint(batch: Any) -> str:
             digest.update(f"O{type(value).__qualname__}".encode())
 
     visit(batch)
+    for _, parts in sorted(contents.items(), key=lambda item: str(item[0])):
+        digest.update(f"D{len(parts)}".encode())
+        digest.update(torch.cat(parts).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
 class PeerBatches(L.Callback):
     """Compares the first batch of each loop over each data-parallel rank's peers (see the module's docstring)."""
 
-    def __init__(self, trainer: Any, group: Any, data_rank: int, data_ranks: int) -> None:
+    def __init__(
+        self, trainer: Any, group: Any, data_rank: int, data_ranks: int, dealt_over: int | None = None
+    ) -> None:
+        """``data_rank``: this rank's sampler rank (its peers share it); ``data_ranks``: how many of them ``group``
+        holds; ``dealt_over``: how many the sampler deals over in the whole job (more than ``data_ranks`` with
+        replica groups), which the error message names."""
         self.trainer, self.group = trainer, group
         self.data_rank = data_rank  # the sampler's rank: peers share it
+        self.dealt_over = dealt_over or data_ranks
         self.active = dist.is_initialized() and dist.get_world_size(group) > data_ranks
         self._pending: set[tuple[str, int]] = set()  # (stage, loader) whose first batch is still to be compared
 
@@ -112,7 +123,7 @@ class PeerBatches(L.Callback):
         differ = _differing(rows)
         if differ:
             where = f"{stage} (loader {loader})" if loader else stage
-            raise PeerBatchesDiffer(_message(where, trainer.current_epoch, differ, len({r for r, _ in rows})))
+            raise PeerBatchesDiffer(_message(where, trainer.current_epoch, differ, self.dealt_over))
 
 
 def _differing(rows: list[tuple[int, str]]) -> dict[int, list[tuple[int, str]]]:

@@ -114,3 +114,32 @@ def test_peers_given_different_batches_stop_before_the_first_step_and_the_named_
     assert ranks[0]["exception"] is None and ranks[0]["global_step"] == 3, ranks[0]
     assert ranks[0]["seen"] == ranks[1]["seen"] == {"ids": [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15],
                                                             [16, 17, 18, 19, 20, 21, 22, 23]]}, ranks  # fmt: skip
+
+
+def test_a_batch_fingerprint_reads_every_tensors_bytes_shape_and_place_and_the_values_around_them() -> None:
+    """cuboid.job.peer_batches.fingerprint, which peers compare: equal contents give one digest however the tensors
+    are laid out in memory; any change of a byte, a dtype, a shape, the order of tensors, a key or a plain value gives
+    another (the bytes are joined before one host copy, so a split moved between tensors must still count)."""
+    import torch
+
+    from cuboid.job.peer_batches import fingerprint
+
+    ids = torch.arange(12).reshape(3, 4)
+    base = fingerprint({"ids": ids, "mask": ids > 3, "name": "a", "n": 1})
+    assert fingerprint({"n": 1, "name": "a", "mask": ids > 3, "ids": ids.t().contiguous().t()}) == base
+    changed = [
+        {"ids": ids.clone().index_put_((torch.tensor(2), torch.tensor(3)), torch.tensor(99)), "mask": ids > 3,
+         "name": "a", "n": 1},
+        {"ids": ids.int(), "mask": ids > 3, "name": "a", "n": 1},
+        {"ids": ids.reshape(4, 3), "mask": ids > 3, "name": "a", "n": 1},
+        {"ids": ids, "mask": ids > 4, "name": "a", "n": 1},
+        {"ids": ids, "mask": ids > 3, "name": "b", "n": 1},
+        {"ids": ids, "mask": ids > 3, "name": "a", "n": 2},
+        {"tokens": ids, "mask": ids > 3, "name": "a", "n": 1},
+    ]  # fmt: skip
+    digests = [fingerprint(batch) for batch in changed]
+    assert base not in digests and len(set(digests)) == len(digests)
+    a, b = torch.arange(6), torch.arange(6, 12)
+    assert fingerprint((a, b)) != fingerprint((b, a))
+    assert fingerprint((a[:4], torch.arange(4, 12))) != fingerprint((a, b))
+    assert fingerprint(torch.empty(0, 3)) != fingerprint(torch.empty(3, 0))
