@@ -459,10 +459,12 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         ValueError,
         r"cannot split attn_implementation='flex_attention' of LlamaForCausalLM.*attn_implementation='sdpa'",
     ),
-    "sliding-window attention under context parallel": (
-        lambda: _cp_step(_tiny_hf("mistral", sliding_window=4), input_ids=torch.zeros(2, 8, dtype=torch.long)),
+    "soft-capped attention logits under context parallel": (
+        lambda: _cp_step(
+            _tiny_hf("gemma2", head_dim=16, attn_logit_softcapping=50.0), input_ids=torch.zeros(2, 8, dtype=torch.long)
+        ),
         ValueError,
-        r"MistralAttention \(layer 0\) uses sliding-window attention \(sliding_window=4\)",
+        r"Gemma2Attention \(layer 0\) soft-caps its attention logits \(softcap=50.0\).*context_parallel=1",
     ),
     "context parallel with compiled, checkpointed blocks": (
         lambda: CuboidStrategy(context_parallel=2, compile=True, activation_checkpointing="full"),

@@ -136,6 +136,21 @@ def gather_tokens(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return _GatherTokens.apply(local, group)
 
 
+def _window(window: int | None, seq_len: int, is_causal: bool, cp: int) -> int | None:
+    """The sliding window to apply: None where there is none or it covers the whole sequence."""
+    if window is None or window >= seq_len:
+        return None
+    if not is_causal:
+        raise ContextParallelError(
+            f"context_parallel={cp}: a bidirectional sliding window (sliding_window={window}) over {seq_len} tokens "
+            "is not supported: Cuboid's context-parallel attention splits causal windows only. Use "
+            "context_parallel=1, or sequences no longer than the window."
+        )
+    if window < 1:
+        raise ContextParallelError(f"context_parallel={cp}: sliding_window={window} must be at least 1.")
+    return window
+
+
 def cp_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -147,22 +162,27 @@ def cp_attention(
     enable_gqa: bool = False,
     key_padding: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over every rank's keys and values.
 
     ``query``, ``key``, ``value``: ``(batch, heads, local_tokens, head_dim)``, this rank's load-balanced share of a
     sequence of ``seq_len`` tokens (``key``/``value`` may have fewer heads with ``enable_gqa``). The mask is
     causal on global positions (or none), and with ``key_padding`` (``(batch, seq_len)``, true where a token is
-    real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too.
+    real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too. ``window``: a causal
+    sliding window (transformers' ``sliding_window``: a query at ``q`` sees the keys ``q - window < k <= q``); one
+    that covers the whole sequence changes nothing and is dropped.
 
     Where the device has a kernel that returns its log-sum-exp (CPU; CUDA in bf16/fp16 without padding) and there
     is no dropout, this runs by blocks (:mod:`cuboid.context.blocks`: no ``Lq x S`` mask, half the causal work);
     elsewhere by one masked call.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    kernel = compat.lse_kernel(query, masked=key_padding is not None, dropout_p=dropout_p)
+    window = _window(window, seq_len, is_causal, cp)
+    kernel = compat.lse_kernel(query, masked=key_padding is not None or window is not None, dropout_p=dropout_p)
     if kernel is not None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
-        return block_attention(query, key, value, group, chunk_ids(rank, cp), is_causal, scale, kernel, key_padding)
+        chunks = chunk_ids(rank, cp)
+        return block_attention(query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window)
     # One masked call over the gathered keys: dropout, or a device and dtype without a kernel that returns its
     # log-sum-exp (CUDA in float32, or with padding).
     keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
@@ -171,6 +191,8 @@ def cp_attention(
     if is_causal:
         q_pos = local_positions(seq_len, rank, cp, query.device)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if window is not None:
+            mask &= q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window
     if key_padding is not None:
         real = key_padding.to(query.device, torch.bool).index_select(1, k_pos)[:, None, None, :]
         mask = real if mask is None else mask & real

@@ -19,6 +19,11 @@ queries, sliced per block: ``batch x S`` values, never ``Lq x S``. A row whose k
 (left padding, or a padding query) gets a log-sum-exp of ``-inf`` there, so the merge gives it no weight; a row
 with no real key at all comes out as zeros, as ``scaled_dot_product_attention`` gives it. Right padding, the usual
 one for training, needs no mask for the real tokens at all: causal attention never reaches a later padding key.
+
+A sliding window ``w`` shorter than the sequence (a query at ``q`` sees the keys ``q - w < k <= q``, transformers'
+``sliding_window``) cuts each query chunk's keys into the blocks every row sees whole (no mask), one block at the
+window's lower edge and the diagonal (each with a ``chunk x chunk`` mask at most), and none outside the window.
+These masks need a kernel that takes one (CPU's); elsewhere the caller makes the one masked call.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch.distributed as dist
 
 from cuboid import compat
 
-Block = tuple[int, int, bool]  # (first key, end key, causal)
+# (first key, end key, causal, visible): ``visible`` (rows x keys, bool), where a sliding window cuts the block;
+# then ``causal`` is False (the mask holds it).
+Block = tuple[int, int, bool, "torch.Tensor | None"]
 
 
 def _chunk_order(cp: int) -> list[tuple[int, int]]:
@@ -68,21 +75,63 @@ def _scatter_kv(dk: torch.Tensor, dv: torch.Tensor, group: dist.ProcessGroup) ->
     return mine[0], mine[1]
 
 
-def plan_blocks(chunks: tuple[int, int], chunk: int, seq_len: int, is_causal: bool) -> list[list[Block]]:
-    """For each of this rank's two query chunks, the key blocks it attends to."""
+def plan_blocks(
+    chunks: tuple[int, int], chunk: int, seq_len: int, is_causal: bool, window: int | None = None,
+    device: torch.device | None = None,
+) -> list[list[Block]]:  # fmt: skip
+    """For each of this rank's two query chunks, the key blocks it attends to (``window``: causal sliding window)."""
     if not is_causal:
-        return [[(0, seq_len, False)] for _ in chunks]
-    return [([(0, g * chunk, False)] if g else []) + [(g * chunk, (g + 1) * chunk, True)] for g in chunks]
+        return [[(0, seq_len, False, None)] for _ in chunks]
+    if window is None or window >= seq_len:
+        return [
+            ([(0, g * chunk, False, None)] if g else []) + [(g * chunk, (g + 1) * chunk, True, None)] for g in chunks
+        ]
+    plans = []
+    for g in chunks:
+        first, end = g * chunk, (g + 1) * chunk
+        whole = max(0, end - window)  # keys from here to the diagonal: every row of the chunk sees them
+        edge = max(0, first - window + 1)  # the first key the chunk's first row sees
+        rows = torch.arange(first, end, device=device)[:, None]
+
+        def visible(start: int, stop: int, rows: torch.Tensor = rows) -> torch.Tensor:
+            keys = torch.arange(start, stop, device=device)[None, :]
+            return (keys <= rows) & (rows - keys < window)
+
+        blocks: list[Block] = []
+        if whole < first:
+            blocks.append((whole, first, False, None))
+        if edge < min(whole, first):
+            blocks.append((edge, min(whole, first), False, visible(edge, min(whole, first))))
+        blocks.append((first, end, True, None) if window >= chunk else (first, end, False, visible(first, end)))
+        plans.append(blocks)
+    return plans
 
 
-def _dead(real: torch.Tensor, block: Block) -> torch.Tensor:
-    """Rows with no real key in ``block``: ``(batch, 1, 1)`` for a whole block, ``(batch, 1, rows)`` for a causal
-    one (row ``j`` sees the block's keys ``0 .. j``)."""
-    start, end, causal = block
+def _dead(real: torch.Tensor | None, block: Block) -> torch.Tensor | None:
+    """Rows with no visible real key in ``block`` (their log-sum-exp there becomes ``-inf``): ``(batch, 1, 1)`` for
+    a whole block, ``(batch, 1, rows)`` for a causal or windowed one (causal: row ``j`` sees the block's keys
+    ``0 .. j``); None when every row sees one."""
+    start, end, causal, visible = block
+    if visible is not None:
+        seen = visible[None] if real is None else visible[None] & real[:, None, start:end]
+        return ~seen.any(-1)[:, None, :]
+    if real is None:
+        return None
     keys = real[:, start:end]
     if causal:
         return (keys.cumsum(-1) == 0)[:, None, :]
     return ~keys.any(-1)[:, None, None]
+
+
+def _mask(bias: torch.Tensor | None, block: Block, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask of ``block``: the padding's keys (``(batch, 1, 1, keys)``) and the window's
+    (``(rows, keys)``), or None."""
+    start, end, _, visible = block
+    pad = bias[..., start:end] if bias is not None else None
+    if visible is None:
+        return pad
+    window = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    return window if pad is None else pad + window
 
 
 def _merge(
@@ -123,13 +172,14 @@ class _Blocks(torch.autograd.Function):
             rows = query[:, :, half * chunk : (half + 1) * chunk]
             out = lse = None
             for block in blocks:
-                start, end, causal = block
-                mask = bias[..., start:end] if bias is not None else None
+                start, end, causal, _ = block
                 block_out, block_lse, extra = compat.lse_attention(
-                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, mask, scale
-                )
-                if real is not None:
-                    block_lse = block_lse.masked_fill(_dead(real, block), float("-inf"))
+                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, _mask(bias, block, query.dtype),
+                    scale,
+                )  # fmt: skip
+                dead = _dead(real, block)
+                if dead is not None:
+                    block_lse = block_lse.masked_fill(dead, float("-inf"))
                 out, lse = _merge(out, lse, block_out, block_lse)
                 saved.append(extra)
             assert out is not None and lse is not None
@@ -152,11 +202,11 @@ class _Blocks(torch.autograd.Function):
         for half, blocks in enumerate(ctx.plan):
             rows = slice(half * chunk, (half + 1) * chunk)
             q, g, o, row_lse = query[:, :, rows], grad[:, :, rows].contiguous(), out[:, :, rows], lse[:, :, rows]
-            for start, end, causal in blocks:
-                mask = bias[..., start:end] if bias is not None else None
+            for block in blocks:
+                start, end, causal, _ = block
                 dq_b, dk_b, dv_b = compat.lse_attention_backward(
-                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal, mask,
-                    ctx.scale, next(extras),
+                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal,
+                    _mask(bias, block, query.dtype), ctx.scale, next(extras),
                 )  # fmt: skip
                 dq[:, :, rows] += dq_b
                 dk[:, :, start:end] += dk_b
@@ -176,9 +226,11 @@ def block_attention(
     scale: float | None,
     kernel: str,
     key_padding: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """This rank's queries (chunks ``chunks``) over every rank's keys and values, block by block (see the module
-    docstring). ``key_padding``: ``(batch, S)``, true where a token is real, in global order."""
+    docstring). ``key_padding``: ``(batch, S)``, true where a token is real, in global order; ``window``: a causal
+    sliding window (a query at ``q`` sees the keys ``q - window < k <= q``)."""
     chunk = query.shape[2] // 2
     seq_len = chunk * 2 * dist.get_world_size(group)
     bias = real = None
@@ -186,5 +238,5 @@ def block_attention(
         real = key_padding.to(query.device, torch.bool)
         bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device).masked_fill(~real, float("-inf"))
         bias = bias[:, None, None, :]
-    plan = plan_blocks(chunks, chunk, seq_len, is_causal)
+    plan = plan_blocks(chunks, chunk, seq_len, is_causal, window, query.device)
     return _Blocks.apply(query, key, value, group, plan, scale, kernel, bias, real)

@@ -2,9 +2,10 @@
 
 Cuboid registers ``"cuboid_cp"`` in ``AttentionInterface`` (an attention function) and switches a model to it
 with ``set_attn_implementation``: no edit to the model's code. transformers builds no mask for an
-implementation its mask registry does not list; the function applies the causal mask on global positions and the
+implementation its mask registry does not list; the function applies the causal mask on global positions, a
+sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function) and the
 padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step it is the ``sdpa``
-function. Sliding-window layers and logit soft-capping are refused, by name.
+function. Logit soft-capping is refused, by name.
 """
 
 from __future__ import annotations
@@ -40,13 +41,6 @@ def _attention(
     if cp is None:  # the model run outside a context-parallel step (predict, a user's own call): plain sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if kwargs.get("sliding_window") is not None:
-        raise ContextParallelError(
-            f"context_parallel={cp.size}: {layer} uses sliding-window attention (sliding_window="
-            f"{kwargs['sliding_window']}), which Cuboid cannot split across sequence shards yet. Use a model "
-            "without sliding-window layers (config.sliding_window=None / use_sliding_window=False), or "
-            "context_parallel=1."
-        )
     if kwargs.get("softcap") is not None:
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} soft-caps its attention logits (softcap={kwargs['softcap']}), "
@@ -54,7 +48,8 @@ def _attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     gqa, dropout = key.shape[1] != query.shape[1], dropout if module.training else 0.0
-    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding)
+    window = kwargs.get("sliding_window")  # the layer's own (None on a model's global layers)
+    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding, window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -23,7 +23,7 @@ HF_SEQ = SEQ - 1
 STEPS = 6  # of the epoch's 12 (the reference stops there too)
 # Max grad norms at 64 tokens, where the gradient norms differ from the suite's 32-token runs: the reference clips
 # on some of the 6 steps and not on others (asserted below). Padded runs keep third_party's.
-CLIP = {None: 1.3, "hf_llama": 1.65, "hf_qwen3": 1.7}
+CLIP = {None: 1.3, "hf_llama": 1.65, "hf_qwen3": 1.7, "hf_gemma3": 1.9, "hf_mistral": 1.5}
 CP2 = {"context_parallel": 2}
 
 # name -> (world, spec); the reference of each is named by its model and padding.
@@ -31,6 +31,9 @@ RUNS: dict[str, tuple[int, dict]] = {
     "cp2-ac_full": (2, {"strategy": {**CP2, "activation_checkpointing": "full"}, "seq": SEQ}),
     "hf_llama-cp2": (2, {"model": "hf_llama", "strategy": CP2, "seq": HF_SEQ}),
     "hf_qwen3-cp2-padded": (2, {"model": "hf_qwen3", "strategy": CP2, "seq": HF_SEQ, "padded": True}),
+    # sliding windows of 8 tokens, shorter than a rank's chunk (16): Mistral's every layer, Gemma 3's local ones
+    "hf_mistral-cp2": (2, {"model": "hf_mistral", "strategy": CP2, "seq": HF_SEQ}),
+    "hf_gemma3-cp2": (2, {"model": "hf_gemma3", "strategy": CP2, "seq": HF_SEQ}),
     "cp2xdp2-compile": (4, {"strategy": {**CP2, "compile": True}, "seq": SEQ}),
     "cp2xhsdp2": (4, {"strategy": {**CP2, "data_parallel_replicate": 2}, "seq": SEQ}),
     "cp2xtp2": (4, {"strategy": {**CP2, "tensor_parallel": 2}, "seq": SEQ}),

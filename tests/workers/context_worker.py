@@ -1,21 +1,25 @@
 """Context-parallel attention against full attention on random inputs, on every cp rank (a torchrun worker).
 
 Writes, from rank 0, the largest relative differences of the output and of the query, key and value gradients
-(each rank's share compared with the same tokens of full attention on one rank), and every tensor shape the cp
-calls made that holds both a query length (this rank's tokens, or one chunk of them) and the whole sequence's
-(an ``Lq x S`` mask or score matrix; the block path makes none), to ``sys.argv[1]``.
+(each rank's share compared with the same tokens of full attention on one rank; by blocks, and by the one masked
+call a device without a block kernel makes), and every tensor shape the block path made that holds both a query
+length (this rank's tokens, or one chunk of them) and the whole sequence's (an ``Lq x S`` mask or score matrix: it
+makes none, with a sliding window too), to ``sys.argv[1]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cuboid import compat
 from cuboid.context.attention import cp_attention, local_positions, shard_sequence
 from cuboid.job.launch import close_process_groups
 
@@ -50,14 +54,32 @@ def padding(seq: int, side: str | None) -> torch.Tensor | None:
     return real if side == "right" else real.flip(1)
 
 
+@contextlib.contextmanager
+def kernel(path: str) -> Iterator[None]:
+    """``masked``: no block kernel (as on a GPU in float32, or with padding), so cp_attention makes one masked call."""
+    if path == "blocks":
+        yield
+        return
+    found = compat.lse_kernel
+    compat.lse_kernel = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        compat.lse_kernel = found
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     worst: dict[str, float] = {}
     big: list = []
-    cases = ((4, 4, 96, True, None), (4, 2, 192, True, None), (2, 1, 96, False, None), (4, 2, 96, True, "right"),
-             (4, 2, 96, True, "left"), (2, 1, 96, False, "left"))  # fmt: skip
-    for heads, kv_heads, seq, causal, side in cases:
+    # (heads, kv heads, tokens, causal, padding, sliding window): the windows (transformers' sliding_window, a query
+    # at q sees the keys q - w < k <= q) shorter than a chunk (96 / 2cp tokens), longer than one, and covering all.
+    cases = ((4, 4, 96, True, None, None), (4, 2, 192, True, None, None), (2, 1, 96, False, None, None),
+             (4, 2, 96, True, "right", None), (4, 2, 96, True, "left", None), (2, 1, 96, False, "left", None),
+             (4, 2, 96, True, None, 5), (4, 2, 96, True, None, 30), (4, 4, 96, True, None, 96),
+             (4, 2, 96, True, "right", 20), (4, 2, 96, True, "left", 7))  # fmt: skip
+    for heads, kv_heads, seq, causal, side, window in cases:
         g = torch.Generator().manual_seed(seq + heads)
         q = torch.randn(2, heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         k = torch.randn(2, kv_heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
@@ -65,24 +87,30 @@ def main() -> None:
         grad_out = torch.randn(2, heads, seq, 16, generator=g)
         real = padding(seq, side)
         mask = None
+        if window is not None:  # causal, and the window's lower edge
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril() & ~torch.ones(seq, seq, dtype=torch.bool).tril(-window)
         if real is not None:
-            mask = real[:, None, None, :] & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True)
+            rows = mask if mask is not None else torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True
+            mask = real[:, None, None, :] & rows
         full = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=kv_heads != heads
         )
         full.backward(grad_out)
-        mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes:
-            out = cp_attention(
-                *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real
-            )
-            out.backward(shard_sequence(grad_out, rank, cp, dim=2))
-        big += shapes.found
         index = local_positions(seq, rank, cp)
-        pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
-                 "dv": (mine[2].grad, v.grad)}  # fmt: skip
-        for name, (got, want) in pairs.items():
-            worst[name] = max(worst.get(name, 0.0), rel(got, want.index_select(2, index)))
+        for path in ("blocks", "masked"):  # masked: the one masked call a device without a block kernel makes
+            mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes, kernel(path):
+                out = cp_attention(
+                    *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real,
+                    window=window,
+                )  # fmt: skip
+                out.backward(shard_sequence(grad_out, rank, cp, dim=2))
+            big += shapes.found if path == "blocks" else []
+            pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
+                     "dv": (mine[2].grad, v.grad)}  # fmt: skip
+            for name, (got, want) in pairs.items():
+                key = name if path == "blocks" else f"{name} (masked)"
+                worst[key] = max(worst.get(key, 0.0), rel(got, want.index_select(2, index)))
     everyone = [None] * cp
     dist.all_gather_object(everyone, {**worst, "big": big})
     if rank == 0:
