@@ -621,3 +621,36 @@ def test_litdata_streaming_dataset_deals_over_the_ranks_its_distributed_env_name
         read.append([int(i) for batch in loader for i in batch])
     assert len(read[0]) == len(read[1]) == 16 and sorted(read[0] + read[1]) == list(range(32)), read
     assert not compat.deal_over_data_parallel(torch.utils.data.DataLoader(list(range(4))), 2, 0)
+
+
+def test_lightning_seeds_workers_by_the_global_rank_and_cuboid_swaps_in_the_data_parallel_one(monkeypatch) -> None:
+    """compat.seed_workers_by_data_rank: ``seed_everything(workers=True)`` sets ``PL_SEED_WORKERS=1``, and Fabric's
+    ``setup_dataloaders`` gives the loader ``partial(pl_worker_init_function, rank=<global rank>)`` before the
+    strategy's ``process_dataloader`` sees it (the Trainer does the same after it; tests/job/test_hangs.py trains
+    that path). Cuboid swaps the rank for the data-parallel one, sets it where the Trainer would, and leaves a
+    ``worker_init_fn`` of the user's own and unseeded runs alone."""
+    import os
+    from functools import partial
+
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    L.seed_everything(1, workers=True, verbose=False)
+    assert os.environ["PL_SEED_WORKERS"] == "1"
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    seen = []
+    monkeypatch.setattr(
+        fabric.strategy, "process_dataloader", lambda loader: seen.append(loader.worker_init_fn) or loader
+    )
+    fabric.setup_dataloaders(DataLoader(list(range(4)), num_workers=1))
+    assert isinstance(seen[0], partial) and seen[0].func is pl_worker_init_function and seen[0].keywords == {"rank": 0}
+    swapped = compat.seed_workers_by_data_rank(DataLoader(list(range(4)), worker_init_fn=seen[0]), 3)
+    assert swapped.worker_init_fn.func is pl_worker_init_function and swapped.worker_init_fn.keywords == {"rank": 3}
+    assert compat.seed_workers_by_data_rank(DataLoader(list(range(4))), 2).worker_init_fn.keywords == {"rank": 2}
+
+    def own(worker_id: int) -> None:
+        pass
+
+    assert compat.seed_workers_by_data_rank(DataLoader(list(range(4)), worker_init_fn=own), 3).worker_init_fn is own
+    L.seed_everything(1, workers=False, verbose=False)
+    assert compat.seed_workers_by_data_rank(DataLoader(list(range(4))), 3).worker_init_fn is None

@@ -84,11 +84,12 @@ class CheckpointHooks:
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """A litdata ``StreamingDataset`` dealt over the data-parallel ranks (tp, cp and pp peers read the same
-        batch); after a mid-epoch resume, the batches of the epoch that were already trained skipped."""
+        batch); after a mid-epoch resume, the batches of the epoch that were already trained skipped; the workers
+        seeded by the data-parallel rank under ``seed_everything(workers=True)``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         dp = self.distributed_sampler_kwargs
         compat.deal_over_data_parallel(dataloader, dp["num_replicas"], dp["rank"])
         replicas = getattr(self, "replicas", None)
         if replicas is not None and trainer is not None and trainer.training:
             replicas.join()  # fault-tolerant replica groups: a group behind the others heals (data position too)
-        return self.checkpointer.resume_loader(dataloader, trainer)
+        return compat.seed_workers_by_data_rank(self.checkpointer.resume_loader(dataloader, trainer), dp["rank"])

@@ -2,7 +2,7 @@
 
 Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
 or touched here (this package: torch.distributed's in ``compat/distributed.py``, the attention kernels that return
-their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks in ``compat/data.py``, all
+their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks and Lightning's worker seeding in ``compat/data.py``, all
 re-exported below), and nowhere else, each with what it is for and why no public API serves. Checked on:
 lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
 ``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
@@ -304,8 +304,8 @@ def layer_sync(strategy: Any) -> Any:
 # --- attention kernels with their log-sum-exp: cuboid/compat/attention.py ---------------------------------------
 from cuboid.compat.attention import lse_attention, lse_attention_backward, lse_kernel  # noqa: E402, F401
 
-# --- litdata's StreamingDataset: cuboid/compat/data.py -----------------------------------------------------------
-from cuboid.compat.data import deal_over_data_parallel  # noqa: E402, F401
+# --- litdata's StreamingDataset, Lightning's seeding of DataLoader workers: cuboid/compat/data.py --------------------
+from cuboid.compat.data import deal_over_data_parallel, seed_workers_by_data_rank  # noqa: E402, F401
 
 # --- torch.distributed: cuboid/compat/distributed.py -------------------------------------------------------------
 from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distributed half of this door)

@@ -207,6 +207,12 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         return optimizer
 
     @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """``fabric.setup_dataloaders``: workers seeded by the data-parallel rank, not the global one, under
+        ``seed_everything(workers=True)`` (tp, cp and pp peers draw the same random crops)."""
+        return compat.seed_workers_by_data_rank(dataloader, self.distributed_sampler_kwargs["rank"])
+
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         pass  # weights move to the device while they are sharded, in setup_module
 

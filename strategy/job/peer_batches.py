@@ -13,6 +13,10 @@ batch of each training epoch and the first batch of each evaluation loader on ev
 the host and one small all-gather over the host group, none in the steps after. When peers' batches differ, every
 rank stops with :class:`PeerBatchesDiffer` before that batch's step, naming the ranks and the fix. With no tp, cp or
 pp (each rank its own data-parallel rank) it does nothing.
+
+``cuboid.compat.seed_workers_by_data_rank`` (the strategies' ``process_dataloader``) makes Lightning's seeding of
+DataLoader workers (``seed_everything(workers=True)``), which mixes in the global rank, mix in the data-parallel
+rank instead, so that random crops and augmentations drawn in workers agree on peers.
 """
 
 from __future__ import annotations

@@ -116,6 +116,22 @@ def test_peers_given_different_batches_stop_before_the_first_step_and_the_named_
                                                             [16, 17, 18, 19, 20, 21, 22, 23]]}, ranks  # fmt: skip
 
 
+@pytest.mark.slow
+def test_random_crops_drawn_in_workers_agree_on_peers_and_differ_across_data_parallel_ranks(tmp_path) -> None:
+    """``seed_everything(workers=True)`` at dp2 x tp2, each sample a random roll drawn in a DataLoader worker:
+    Lightning seeds workers by the global rank, so tp peers drew different rolls and the peer check stopped the run
+    (checked by hand before the fix: PeerBatchesDiffer on every rank, step 0). Cuboid seeds them by the
+    data-parallel rank: the 3 steps train, peers see the same rolls, the two data-parallel ranks different ones; and
+    what each step draws from the main process's generator agrees on peers too."""
+    codes, out, ranks = _forked_run(tmp_path, "crops", 4)
+    assert not any(codes), out[-4000:]
+    assert all(ranks[r]["exception"] is None and ranks[r]["global_step"] == 3 for r in range(4)), ranks
+    seen = [ranks[r]["seen"] for r in range(4)]
+    assert seen[0] == seen[1] and seen[2] == seen[3], seen
+    assert seen[0]["shifts"] != seen[2]["shifts"], seen
+    assert len({s for batch in seen[0]["shifts"] for s in batch}) > 4, seen  # random rolls, not one offset
+
+
 def test_a_batch_fingerprint_reads_every_tensors_bytes_shape_and_place_and_the_values_around_them() -> None:
     """cuboid.job.peer_batches.fingerprint, which peers compare: equal contents give one digest however the tensors
     are laid out in memory; any change of a byte, a dtype, a shape, the order of tensors, a key or a plain value gives

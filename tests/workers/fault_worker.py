@@ -12,6 +12,9 @@ SCENARIO (N):
   peers_by_rank (4)   dp2 x tp2 reference Llama, a token stream the module deals over every rank by hand
                       (``torch.distributed.get_rank()``), as users shard an IterableDataset.
   peers_by_dp (2)     tp2, the same stream dealt over ``trainer.strategy.distributed_sampler_kwargs``: 3 steps.
+  crops (4)           dp2 x tp2 reference Llama, ``seed_everything(workers=True)``, each sample a random roll drawn in
+                      a DataLoader worker (2 workers), and a number drawn from the main process's generator in each
+                      training step: 3 steps.
 
 Each rank that returns writes OUT_DIR/rank<r>.json: the exception (type, text with notes) or None, the global step,
 and the batches each step hook saw (for the streams: the sample ids of each training batch).
@@ -92,6 +95,26 @@ class DealtStream(IterableDataset):
             yield self.data[i]
 
 
+class RandomRolls(TokenDataset):
+    """Each sample rolled by a random offset drawn when it is read (a random crop of a longer document)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        shift = torch.randint(0, len(item["tokens"]), ())
+        return {**item, "tokens": item["tokens"].roll(int(shift)), "shift": shift}
+
+
+class RolledLlama(LlamaModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, list] = {"shifts": [], "drawn": []}
+
+    def training_step(self, batch, batch_idx):
+        self.seen["shifts"].append(batch["shift"].tolist())
+        self.seen["drawn"].append(torch.rand(()).item())  # what a step's own randomness (a noise, a mask) draws
+        return super().training_step(batch, batch_idx)
+
+
 class StreamedLlama(LlamaModule):
     """Its own ``train_dataloader``, made once the processes exist; ``by``: how it deals the stream."""
 
@@ -119,7 +142,7 @@ def tensors(batches: int) -> TensorDataset:
 
 def main() -> None:
     out, scenario = Path(sys.argv[1]), sys.argv[2]
-    L.seed_everything(SEED, verbose=False)
+    L.seed_everything(SEED, verbose=False, workers=scenario == "crops")
     rank = int(__import__("os").environ["RANK"])
     common = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, default_root_dir=str(out))  # fmt: skip
@@ -147,6 +170,11 @@ def main() -> None:
         strategy = CuboidStrategy(data_parallel_shard=dp, tensor_parallel=2, timeout=20)
         trainer = L.Trainer(devices=2 * dp, strategy=strategy, max_steps=3, **common)
         module, train, val = StreamedLlama(scenario.removeprefix("peers_by_")), None, None
+    elif scenario == "crops":
+        strategy = CuboidStrategy(data_parallel_shard=2, tensor_parallel=2, timeout=20)
+        trainer = L.Trainer(devices=4, strategy=strategy, max_steps=3, **common)
+        module, val = RolledLlama(), None
+        train = DataLoader(RandomRolls(n=96), batch_size=GLOBAL_BATCH // 2, shuffle=True, num_workers=2)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     facts: dict = {"exception": None}
