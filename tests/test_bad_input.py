@@ -218,6 +218,17 @@ def _cp_step(model: torch.nn.Module, *args: object, **kwargs: object) -> None:
         model(*args, **kwargs)
 
 
+def _cp_attention_call(**extra: object) -> None:
+    """Call the "cuboid_cp" attention function as a transformers layer would, with ``extra`` keywords, in a
+    context-parallel step at cp=2 (no process group is reached before the refusal)."""
+    from cuboid.context import ContextParallel
+    from cuboid.context.hf import _attention
+
+    q = torch.zeros(1, 2, 4, 8)
+    with ContextParallel(Layout(cp=2)).step():
+        _attention(torch.nn.Identity(), q, q, q, None, **extra)
+
+
 def _tiny_hf(family: str = "llama", **extra: object) -> torch.nn.Module:
     import transformers
 
@@ -464,7 +475,13 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
             _tiny_hf("gemma2", head_dim=16, attn_logit_softcapping=50.0), input_ids=torch.zeros(2, 8, dtype=torch.long)
         ),
         ValueError,
-        r"Gemma2Attention \(layer 0\) soft-caps its attention logits \(softcap=50.0\).*context_parallel=1",
+        r"the attention of Gemma2ForCausalLM: its config soft-caps the attention logits \(attn_logit_softcapping=50.0\)"
+        r".*context_parallel=1",
+    ),
+    "a relative position bias under context parallel": (
+        lambda: _cp_attention_call(position_bias=torch.zeros(1, 2, 4, 4)),
+        ValueError,
+        r"Identity \(layer \?\) passes position_bias to its attention function.*Use context_parallel=1",
     ),
     "context parallel with compiled, checkpointed blocks": (
         lambda: CuboidStrategy(context_parallel=2, compile=True, activation_checkpointing="full"),

@@ -19,12 +19,12 @@ FAMILIES = ("hf_llama", "hf_qwen3", "hf_vit", "hf_mistral", "hf_llama_tied", "hf
             "hf_minicpm5_moe", "hf_phi3", "hf_gemma3", "hf_deepseek_v3")  # fmt: skip
 # Mixture-of-experts families: their loss adds the router's load-balancing loss (output_router_logits), which is
 # not linear in the batch, so data-parallel training's loss is the mean of the ranks' own (see reference_run).
-MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux")
+MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 # Max grad norm per family: the reference clips on some steps and not on others (test_third_party and
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
-        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45}  # fmt: skip
+        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -92,6 +92,13 @@ def hf_config(family: str):
         return transformers.Gemma3TextConfig(
             vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
             **ids, **small,
+        )  # fmt: skip
+    if family == "hf_gpt_oss":  # attention sinks (s_aux), sliding and full layers, biased experts stored transposed
+        return transformers.GptOssConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **ids,
         )  # fmt: skip
     if family == "hf_vit":
         return transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **small)
@@ -296,10 +303,10 @@ def reference_run(
 
 def _count_routing(model: nn.Module) -> list[torch.Tensor]:
     """Per MoE layer, a running count of the (token, expert) pairs its router chose (the router's third output,
-    the top-k expert ids, in Qwen3-MoE and Mixtral): an independent count for CuboidMonitor's load figures."""
+    the top-k expert ids, in Qwen3-MoE, Mixtral and GPT-OSS): an independent count for CuboidMonitor's load figures."""
     counts = []
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name.endswith(("mlp.gate", "mlp.router")):  # GPT-OSS names its router "router"
             count = torch.zeros(module.weight.shape[0])
 
             def hook(_module, _args, out, count=count) -> None:

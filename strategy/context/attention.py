@@ -163,6 +163,7 @@ def cp_attention(
     key_padding: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over every rank's keys and values.
 
@@ -171,7 +172,8 @@ def cp_attention(
     causal on global positions (or none), and with ``key_padding`` (``(batch, seq_len)``, true where a token is
     real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too. ``window``: a causal
     sliding window (transformers' ``sliding_window``: a query at ``q`` sees the keys ``q - window < k <= q``); one
-    that covers the whole sequence changes nothing and is dropped.
+    that covers the whole sequence changes nothing and is dropped. ``sink``: an attention sink's logit per query
+    head (``(heads,)``: GPT-OSS's ``sinks``), one more key of value zero in every row's softmax.
 
     Where the device has a kernel that returns its log-sum-exp (CPU; CUDA in bf16/fp16 without padding) and there
     is no dropout, this runs by blocks (:mod:`cuboid.context.blocks`: no ``Lq x S`` mask, half the causal work);
@@ -182,7 +184,7 @@ def cp_attention(
     kernel = compat.lse_kernel(query, masked=key_padding is not None or window is not None, dropout_p=dropout_p)
     if kernel is not None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
         chunks = chunk_ids(rank, cp)
-        return block_attention(query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window)
+        return block_attention(query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window, sink)
     # One masked call over the gathered keys: dropout, or a device and dtype without a kernel that returns its
     # log-sum-exp (CUDA in float32, or with padding).
     keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
@@ -196,6 +198,35 @@ def cp_attention(
     if key_padding is not None:
         real = key_padding.to(query.device, torch.bool).index_select(1, k_pos)[:, None, None, :]
         mask = real if mask is None else mask & real
+    if sink is not None:
+        return _with_sink(query, keys, values, mask, sink, scale, enable_gqa, dropout_p)
     return F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p
+    )
+
+
+def _with_sink(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float | None,
+    enable_gqa: bool,
+    dropout_p: float,
+) -> torch.Tensor:
+    """The one masked call with an attention sink: one more key, all zeros, whose additive mask is the sink's logit
+    per head (its score ``q . 0 + sink``) and whose value is zero; the sink's gradient flows through that mask."""
+    batch, heads, rows = query.shape[:3]
+    if enable_gqa and keys.shape[1] != heads:  # the extra key is per query head: repeat the key/value heads first
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    zero = keys.new_zeros((batch, heads, 1, keys.shape[-1]))
+    keys, values = torch.cat([keys, zero], 2), torch.cat([values, zero.expand(-1, -1, -1, values.shape[-1])], 2)
+    bias = torch.zeros((batch, heads, rows, keys.shape[2] - 1), dtype=query.dtype, device=query.device)
+    if mask is not None:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    column = sink.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, rows, 1)
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=torch.cat([bias, column], -1), scale=scale, dropout_p=dropout_p
     )

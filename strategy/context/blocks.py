@@ -24,6 +24,11 @@ A sliding window ``w`` shorter than the sequence (a query at ``q`` sees the keys
 ``sliding_window``) cuts each query chunk's keys into the blocks every row sees whole (no mask), one block at the
 window's lower edge and the diagonal (each with a ``chunk x chunk`` mask at most), and none outside the window.
 These masks need a kernel that takes one (CPU's); elsewhere the caller makes the one masked call.
+
+An attention sink (a learned logit per head that joins every row's softmax with a value of zero: GPT-OSS) is one
+more block merged last, its log-sum-exp the sink's logit and its output zero. The blocks' backward then sees the
+probabilities of the softmax with the sink, and the sink's gradient is ``-p_sink * rowsum(dO * O)`` summed over
+the rows.
 """
 
 from __future__ import annotations
@@ -151,6 +156,11 @@ def _merge(
     )
 
 
+def _sink_lse(sink: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An attention sink's logit per head (``(heads,)``) as a log-sum-exp shaped ``like`` (batch, heads, rows)."""
+    return sink.to(like.dtype).view(1, -1, 1).expand_as(like)
+
+
 class _Blocks(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -164,6 +174,7 @@ class _Blocks(torch.autograd.Function):
         kernel: str,
         bias: torch.Tensor | None,
         real: torch.Tensor | None,
+        sink: torch.Tensor | None,
     ) -> torch.Tensor:
         keys, values = _gather_kv(key, value, group)
         chunk = query.shape[2] // len(plan)
@@ -183,16 +194,18 @@ class _Blocks(torch.autograd.Function):
                 out, lse = _merge(out, lse, block_out, block_lse)
                 saved.append(extra)
             assert out is not None and lse is not None
+            if sink is not None:  # one more key per head: its logit the sink's, its value zero
+                out, lse = _merge(out, lse, torch.zeros_like(out), _sink_lse(sink, lse))
             outs.append(out.to(query.dtype))
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(query, key, value, out, lse, bias)  # this rank's K and V only: gathered again
+        ctx.save_for_backward(query, key, value, out, lse, bias, sink)  # this rank's K and V only: gathered again
         ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved = group, plan, scale, kernel, saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse, bias = ctx.saved_tensors
+        query, key, value, out, lse, bias, sink = ctx.saved_tensors
         keys, values = _gather_kv(key, value, ctx.group)
         chunk = query.shape[2] // len(ctx.plan)
         # A row with no real key: its output is a constant zero; +inf makes each block's probabilities 0 there.
@@ -212,7 +225,11 @@ class _Blocks(torch.autograd.Function):
                 dk[:, :, start:end] += dk_b
                 dv[:, :, start:end] += dv_b
         dk, dv = _scatter_kv(dk, dv, ctx.group)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsink = None
+        if sink is not None:  # the sink's probability times the gradient of its logit: -p_sink * rowsum(dO * O)
+            rows = (grad.float() * out.float()).sum(-1)
+            dsink = -(torch.exp(_sink_lse(sink, lse) - lse) * rows).sum((0, 2)).to(sink.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, dsink
 
 
 @torch.compiler.disable  # eager inside compiled blocks: collectives and aten kernel calls, nothing to fuse
@@ -227,10 +244,12 @@ def block_attention(
     kernel: str,
     key_padding: torch.Tensor | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's queries (chunks ``chunks``) over every rank's keys and values, block by block (see the module
     docstring). ``key_padding``: ``(batch, S)``, true where a token is real, in global order; ``window``: a causal
-    sliding window (a query at ``q`` sees the keys ``q - window < k <= q``)."""
+    sliding window (a query at ``q`` sees the keys ``q - window < k <= q``); ``sink``: an attention sink's logit per
+    query head (``(heads,)``, GPT-OSS's ``sinks``), one more key of value zero in every row's softmax."""
     chunk = query.shape[2] // 2
     seq_len = chunk * 2 * dist.get_world_size(group)
     bias = real = None
@@ -239,4 +258,4 @@ def block_attention(
         bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device).masked_fill(~real, float("-inf"))
         bias = bias[:, None, None, :]
     plan = plan_blocks(chunks, chunk, seq_len, is_causal, window, query.device)
-    return _Blocks.apply(query, key, value, group, plan, scale, kernel, bias, real)
+    return _Blocks.apply(query, key, value, group, plan, scale, kernel, bias, real, sink)

@@ -3,8 +3,8 @@
 Cuboid registers ``"cuboid_cp"`` in ``AttentionInterface`` (an attention function) and switches a model to it
 with ``set_attn_implementation``: no edit to the model's code. transformers builds no mask for an
 implementation its mask registry does not list; the function applies the causal mask on global positions, a
-sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function) and the
-padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step it is the ``sdpa``
+sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function), attention
+sinks (``s_aux``) and the padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step it is the ``sdpa``
 function. Logit soft-capping is refused, by name.
 """
 
@@ -19,6 +19,9 @@ from cuboid.context.attention import ContextParallelError
 from cuboid.context.current import KEY_PADDING, active
 
 NAME = "cuboid_cp"
+# What some families pass their attention function that changes its result and that "cuboid_cp" does not compute:
+# T5-style relative position biases, sparse attention's selected keys, another name for sinks, head masks, ALiBi.
+UNCOMPUTED = ("position_bias", "indices", "block_indices", "sinks", "head_mask", "alibi_slopes")
 # Implementations whose result is plain softmax attention, which "cuboid_cp" computes exactly.
 EXACT = {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
 
@@ -41,6 +44,13 @@ def _attention(
     if cp is None:  # the model run outside a context-parallel step (predict, a user's own call): plain sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    unknown = sorted(name for name in UNCOMPUTED if kwargs.get(name) is not None)
+    if unknown:
+        raise ContextParallelError(
+            f"context_parallel={cp.size}: {layer} passes {', '.join(unknown)} to its attention function, which "
+            "changes the attention Cuboid's context-parallel attention computes (it computes causal softmax "
+            "attention with padding, sliding windows and sinks). Use context_parallel=1."
+        )
     if kwargs.get("softcap") is not None:
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} soft-caps its attention logits (softcap={kwargs['softcap']}), "
@@ -49,7 +59,8 @@ def _attention(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     gqa, dropout = key.shape[1] != query.shape[1], dropout if module.training else 0.0
     window = kwargs.get("sliding_window")  # the layer's own (None on a model's global layers)
-    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding, window)
+    sink = kwargs.get("s_aux")  # attention sinks: a logit per head that joins the softmax (GPT-OSS's ``sinks``)
+    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding, window, sink)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -66,6 +77,14 @@ def use_cp_attention(model: nn.Module) -> bool:
             f"context_parallel cannot split attn_implementation={current!r} of {type(model).__name__}: Cuboid's "
             f"context-parallel attention computes plain causal softmax attention ({', '.join(sorted(EXACT))} "
             "compute the same). Load the model with attn_implementation='sdpa', or use context_parallel=1."
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:  # refused here, at setup, rather than at the first forward
+        raise ContextParallelError(
+            f"context_parallel cannot split the attention of {type(model).__name__}: its config soft-caps the "
+            f"attention logits (attn_logit_softcapping={softcap}), which Cuboid's context-parallel attention does not "
+            "compute. Use context_parallel=1."
         )
     AttentionInterface.register(NAME, _attention)
     model.set_attn_implementation(NAME)

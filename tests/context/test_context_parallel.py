@@ -23,7 +23,7 @@ HF_SEQ = SEQ - 1
 STEPS = 6  # of the epoch's 12 (the reference stops there too)
 # Max grad norms at 64 tokens, where the gradient norms differ from the suite's 32-token runs: the reference clips
 # on some of the 6 steps and not on others (asserted below). Padded runs keep third_party's.
-CLIP = {None: 1.3, "hf_llama": 1.65, "hf_qwen3": 1.7, "hf_gemma3": 1.9, "hf_mistral": 1.5}
+CLIP = {None: 1.3, "hf_llama": 1.65, "hf_qwen3": 1.7, "hf_gemma3": 1.9, "hf_mistral": 1.5, "hf_gpt_oss": 1.9}
 CP2 = {"context_parallel": 2}
 
 # name -> (world, spec); the reference of each is named by its model and padding.
@@ -34,6 +34,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     # sliding windows of 8 tokens, shorter than a rank's chunk (16): Mistral's every layer, Gemma 3's local ones
     "hf_mistral-cp2": (2, {"model": "hf_mistral", "strategy": CP2, "seq": HF_SEQ}),
     "hf_gemma3-cp2": (2, {"model": "hf_gemma3", "strategy": CP2, "seq": HF_SEQ}),
+    # attention sinks (a logit per head in every row's softmax) and sliding layers; its experts split over cp too
+    "hf_gpt_oss-cp2xep2": (2, {"model": "hf_gpt_oss", "strategy": {**CP2, "expert_parallel": 2}, "seq": HF_SEQ}),
     "cp2xdp2-compile": (4, {"strategy": {**CP2, "compile": True}, "seq": SEQ}),
     "cp2xhsdp2": (4, {"strategy": {**CP2, "data_parallel_replicate": 2}, "seq": SEQ}),
     "cp2xtp2": (4, {"strategy": {**CP2, "tensor_parallel": 2}, "seq": SEQ}),
@@ -123,8 +125,11 @@ def test_context_parallel_matches_single_process(name: str, results) -> None:
     for facts in got["ranks"]:
         by_dp.setdefault(facts["dp_rank"], []).append(facts["seen"])
     assert len(by_dp) == dp and all(s == seen[0] for seen in by_dp.values() for s in seen)
-    dims = {tuple(d) for facts in got["ranks"] for d, *_ in facts["placements"].values()}
-    assert all(("dp_shard_cp" in d) for d in dims), dims
+    # every parameter sharded over dp_shard x cp; under ep the experts' over ep and the rest of dp_shard x cp
+    experts = "expert_parallel" in sizes
+    dims = {(".experts." in n and experts, tuple(d)) for f in got["ranks"] for n, (d, *_) in f["placements"].items()}
+    assert all(("ep" in d and "efsdp" in d) if expert else ("dp_shard_cp" in d) for expert, d in dims), dims
+    assert experts == any(expert for expert, _ in dims), dims
     if sizes.get("compile"):
         # The same 4 graphs for every block and step (the block's parts around attention, which runs eagerly:
         # torch.compiler.disable on the block attention, whose traced merges tripled the cold compile, 129 s -> 43 s):

@@ -48,6 +48,8 @@ RUNS: dict[str, Run] = {
     "hf_phi3-tp2": Run(2, {"model": "hf_phi3", "strategy": TP2}),
     # DeepSeek-V3: multi-head latent attention, whose plan's mla_kv_a_proj sums the shared rotary key's gradient
     "hf_deepseek_v3-tp2": Run(2, {"model": "hf_deepseek_v3", "strategy": TP2}),
+    # GPT-OSS: experts with biases, stored transposed, split over ranks; attention sinks
+    "hf_gpt_oss-ep2": Run(2, {"model": "hf_gpt_oss", "strategy": {"expert_parallel": 2}}),
     "hf_llama-hsdp2x2-ac_selective": Run(
         4,
         {"model": "hf_llama", "strategy": {"data_parallel_replicate": 2, "activation_checkpointing": "selective"}},

@@ -54,6 +54,18 @@ def padding(seq: int, side: str | None) -> torch.Tensor | None:
     return real if side == "right" else real.flip(1)
 
 
+def eager_with_sink(q, k, v, mask, sink) -> torch.Tensor:
+    """transformers' GPT-OSS eager attention: the sink's logit per head joins each row's softmax, then is dropped."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    column = sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    return probs @ v
+
+
 @contextlib.contextmanager
 def kernel(path: str) -> Iterator[None]:
     """``masked``: no block kernel (as on a GPU in float32, or with padding), so cp_attention makes one masked call."""
@@ -73,13 +85,16 @@ def main() -> None:
     cp, rank = dist.get_world_size(), dist.get_rank()
     worst: dict[str, float] = {}
     big: list = []
-    # (heads, kv heads, tokens, causal, padding, sliding window): the windows (transformers' sliding_window, a query
-    # at q sees the keys q - w < k <= q) shorter than a chunk (96 / 2cp tokens), longer than one, and covering all.
-    cases = ((4, 4, 96, True, None, None), (4, 2, 192, True, None, None), (2, 1, 96, False, None, None),
-             (4, 2, 96, True, "right", None), (4, 2, 96, True, "left", None), (2, 1, 96, False, "left", None),
-             (4, 2, 96, True, None, 5), (4, 2, 96, True, None, 30), (4, 4, 96, True, None, 96),
-             (4, 2, 96, True, "right", 20), (4, 2, 96, True, "left", 7))  # fmt: skip
-    for heads, kv_heads, seq, causal, side, window in cases:
+    # (heads, kv heads, tokens, causal, padding, sliding window, sink): the windows (transformers' sliding_window, a
+    # query at q sees the keys q - w < k <= q) shorter than a chunk (96 / 2cp tokens), longer than one, and covering
+    # all; attention sinks (GPT-OSS's: a logit per head in every row's softmax, of value zero).
+    cases = ((4, 4, 96, True, None, None, False), (4, 2, 192, True, None, None, False),
+             (2, 1, 96, False, None, None, False), (4, 2, 96, True, "right", None, False),
+             (4, 2, 96, True, "left", None, False), (2, 1, 96, False, "left", None, False),
+             (4, 2, 96, True, None, 5, False), (4, 2, 96, True, None, 30, False), (4, 4, 96, True, None, 96, False),
+             (4, 2, 96, True, "right", 20, False), (4, 2, 96, True, "left", 7, False),
+             (4, 2, 96, True, None, None, True), (4, 2, 96, True, "left", 20, True), (2, 1, 96, False, None, None, True))  # fmt: skip
+    for heads, kv_heads, seq, causal, side, window, with_sink in cases:
         g = torch.Generator().manual_seed(seq + heads)
         q = torch.randn(2, heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         k = torch.randn(2, kv_heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
@@ -92,17 +107,24 @@ def main() -> None:
         if real is not None:
             rows = mask if mask is not None else torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True
             mask = real[:, None, None, :] & rows
-        full = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=kv_heads != heads
-        )
+        sink = torch.randn(heads, generator=g, dtype=torch.float64).float().requires_grad_() if with_sink else None
+        if sink is None:
+            full = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=kv_heads != heads
+            )
+        else:
+            if mask is None and causal:
+                mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+            full = eager_with_sink(q, k, v, mask, sink)
         full.backward(grad_out)
         index = local_positions(seq, rank, cp)
         for path in ("blocks", "masked"):  # masked: the one masked call a device without a block kernel makes
             mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            my_sink = sink.detach().clone().requires_grad_() if sink is not None else None
             with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes, kernel(path):
                 out = cp_attention(
                     *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real,
-                    window=window,
+                    window=window, sink=my_sink,
                 )  # fmt: skip
                 out.backward(shard_sequence(grad_out, rank, cp, dim=2))
             big += shapes.found if path == "blocks" else []
@@ -111,6 +133,11 @@ def main() -> None:
             for name, (got, want) in pairs.items():
                 key = name if path == "blocks" else f"{name} (masked)"
                 worst[key] = max(worst.get(key, 0.0), rel(got, want.index_select(2, index)))
+            if sink is not None:  # each rank's rows' share of the sink's gradient, summed over cp
+                assert my_sink is not None and my_sink.grad is not None
+                dist.all_reduce(my_sink.grad)
+                key = "dsink" if path == "blocks" else "dsink (masked)"
+                worst[key] = max(worst.get(key, 0.0), rel(my_sink.grad, sink.grad))
     everyone = [None] * cp
     dist.all_gather_object(everyone, {**worst, "big": big})
     if rank == 0:
