@@ -4,8 +4,9 @@ Cuboid registers ``"cuboid_cp"`` in ``AttentionInterface`` (an attention functio
 with ``set_attn_implementation``: no edit to the model's code. transformers builds no mask for an
 implementation its mask registry does not list; the function applies the causal mask on global positions, a
 sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function), attention
-sinks (``s_aux``) and the padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step it is the ``sdpa``
-function. Logit soft-capping is refused, by name.
+sinks (``s_aux``) and the padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step
+it is the ``sdpa`` function, with no mask (plain causal attention). Logit soft-capping is refused at setup, and
+what else changes the attention (``UNCOMPUTED``) at the first forward, by name.
 """
 
 from __future__ import annotations
