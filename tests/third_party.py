@@ -24,7 +24,8 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
-        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6}  # fmt: skip
+        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
+        "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -99,6 +100,20 @@ def hf_config(family: str):
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
             max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **ids,
+        )  # fmt: skip
+    # Run by hand under cp (docs/context.md): sliding-window layers beside full ones, windows of 8 tokens
+    if family == "hf_cohere2":  # parallel attention and MLP, rotary only on its sliding layers, a logit scale
+        return transformers.Cohere2Config(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, **ids, **small
+        )
+    if family == "hf_olmo3":
+        return transformers.Olmo3Config(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, **ids, **small
+        )
+    if family == "hf_qwen2_window":  # use_sliding_window: the layers from max_window_layers on slide
+        return transformers.Qwen2Config(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True,
+            sliding_window=8, max_window_layers=2, **ids, **small,
         )  # fmt: skip
     if family == "hf_vit":
         return transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **small)
