@@ -470,14 +470,6 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         ValueError,
         r"cannot split attn_implementation='flex_attention' of LlamaForCausalLM.*attn_implementation='sdpa'",
     ),
-    "soft-capped attention logits under context parallel": (
-        lambda: _cp_step(
-            _tiny_hf("gemma2", head_dim=16, attn_logit_softcapping=50.0), input_ids=torch.zeros(2, 8, dtype=torch.long)
-        ),
-        ValueError,
-        r"the attention of Gemma2ForCausalLM: its config soft-caps the attention logits \(attn_logit_softcapping=50.0\)"
-        r".*context_parallel=1",
-    ),
     "a relative position bias under context parallel": (
         lambda: _cp_attention_call(position_bias=torch.zeros(1, 2, 4, 4)),
         ValueError,

@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6}  # fmt: skip
+        "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
@@ -110,6 +110,13 @@ def hf_config(family: str):
         return transformers.Olmo3Config(
             vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, **ids, **small
         )
+    if family == "hf_gemma2":  # soft-capped attention scores (a cap that bites on small scores: unscaled, 0.1) and
+        # logits, alternating sliding and global layers
+        return transformers.Gemma2Config(
+            vocab_size=256, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+            attn_logit_softcapping=0.1, query_pre_attn_scalar=1, final_logit_softcapping=30.0, attn_implementation="eager",
+            **ids, **small,
+        )  # fmt: skip
     if family == "hf_qwen2_window":  # use_sliding_window: the layers from max_window_layers on slide
         return transformers.Qwen2Config(
             vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True,

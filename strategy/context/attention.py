@@ -164,6 +164,7 @@ def cp_attention(
     dropout_p: float = 0.0,
     window: int | None = None,
     sink: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over every rank's keys and values.
 
@@ -173,7 +174,9 @@ def cp_attention(
     real, in global order: the whole batch's ``attention_mask``) padding keys are masked out too. ``window``: a causal
     sliding window (transformers' ``sliding_window``: a query at ``q`` sees the keys ``q - window < k <= q``); one
     that covers the whole sequence changes nothing and is dropped. ``sink``: an attention sink's logit per query
-    head (``(heads,)``: GPT-OSS's ``sinks``), one more key of value zero in every row's softmax.
+    head (``(heads,)``: GPT-OSS's ``sinks``), one more key of value zero in every row's softmax. ``softcap``: the
+    scores soft-capped before the softmax (``softcap * tanh(scores / softcap)``, Gemma 2's), computed as written
+    (no fused kernel computes it; an ``Lq x S`` score matrix).
 
     Where the device has a kernel that returns its log-sum-exp (CPU; CUDA in bf16/fp16 without padding) and there
     is no dropout, this runs by blocks (:mod:`cuboid.context.blocks`: no ``Lq x S`` mask, half the causal work);
@@ -182,7 +185,7 @@ def cp_attention(
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     window = _window(window, seq_len, is_causal, cp)
     kernel = compat.lse_kernel(query, masked=key_padding is not None or window is not None, dropout_p=dropout_p)
-    if kernel is not None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
+    if kernel is not None and softcap is None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
         chunks = chunk_ids(rank, cp)
         return block_attention(query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window, sink)
     # One masked call over the gathered keys: dropout, or a device and dtype without a kernel that returns its
@@ -198,6 +201,8 @@ def cp_attention(
     if key_padding is not None:
         real = key_padding.to(query.device, torch.bool).index_select(1, k_pos)[:, None, None, :]
         mask = real if mask is None else mask & real
+    if softcap is not None:
+        return _written_out(query, keys, values, mask, scale, dropout_p, sink, softcap)
     if sink is not None:
         return _with_sink(query, keys, values, mask, sink, scale, enable_gqa, dropout_p)
     return F.scaled_dot_product_attention(
@@ -230,3 +235,33 @@ def _with_sink(
     return F.scaled_dot_product_attention(
         query, keys, values, attn_mask=torch.cat([bias, column], -1), scale=scale, dropout_p=dropout_p
     )
+
+
+def _written_out(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    sink: torch.Tensor | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention as transformers' eager function writes it, for soft-capped scores: ``q k^T`` scaled, soft-capped,
+    masked (the dtype's minimum, as transformers' masks hold), a sink's column if any, softmax in float32."""
+    heads = query.shape[1]
+    if keys.shape[1] != heads:
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sink is not None:
+        scores = torch.cat([scores, sink.to(scores.dtype).view(1, heads, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sink is not None:
+        probs = probs[..., :-1]
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ values

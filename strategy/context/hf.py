@@ -4,9 +4,9 @@ Cuboid registers ``"cuboid_cp"`` in ``AttentionInterface`` (an attention functio
 with ``set_attn_implementation``: no edit to the model's code. transformers builds no mask for an
 implementation its mask registry does not list; the function applies the causal mask on global positions, a
 sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function), attention
-sinks (``s_aux``) and the padding of the whole batch's ``attention_mask`` itself. Outside a context-parallel step
-it is the ``sdpa`` function, with no mask (plain causal attention). Logit soft-capping is refused at setup, and
-what else changes the attention (``UNCOMPUTED``) at the first forward, by name.
+sinks (``s_aux``), soft-capped scores (``softcap``) and the padding of the whole batch's ``attention_mask``
+itself. Outside a context-parallel step it is the ``sdpa`` function, with no mask (plain causal attention). What
+else changes the attention (``UNCOMPUTED``) is refused at the first forward, by name.
 """
 
 from __future__ import annotations
@@ -50,18 +50,14 @@ def _attention(
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} passes {', '.join(unknown)} to its attention function, which "
             "changes the attention Cuboid's context-parallel attention computes (it computes causal softmax "
-            "attention with padding, sliding windows and sinks). Use context_parallel=1."
-        )
-    if kwargs.get("softcap") is not None:
-        raise ContextParallelError(
-            f"context_parallel={cp.size}: {layer} soft-caps its attention logits (softcap={kwargs['softcap']}), "
-            "which Cuboid's context-parallel attention does not compute. Use context_parallel=1."
+            "attention with padding, sliding windows, sinks and soft-capping). Use context_parallel=1."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     gqa, dropout = key.shape[1] != query.shape[1], dropout if module.training else 0.0
     window = kwargs.get("sliding_window")  # the layer's own (None on a model's global layers)
     sink = kwargs.get("s_aux")  # attention sinks: a logit per head that joins the softmax (GPT-OSS's ``sinks``)
-    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding, window, sink)
+    softcap = kwargs.get("softcap")  # Gemma 2's soft-capped scores
+    out = cp.attention(query, key, value, bool(causal), scaling, gqa, dropout, padding, window, sink, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -78,14 +74,6 @@ def use_cp_attention(model: nn.Module) -> bool:
             f"context_parallel cannot split attn_implementation={current!r} of {type(model).__name__}: Cuboid's "
             f"context-parallel attention computes plain causal softmax attention ({', '.join(sorted(EXACT))} "
             "compute the same). Load the model with attn_implementation='sdpa', or use context_parallel=1."
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap is not None:  # refused here, at setup, rather than at the first forward
-        raise ContextParallelError(
-            f"context_parallel cannot split the attention of {type(model).__name__}: its config soft-caps the "
-            f"attention logits (attn_logit_softcapping={softcap}), which Cuboid's context-parallel attention does not "
-            "compute. Use context_parallel=1."
         )
     AttentionInterface.register(NAME, _attention)
     model.set_attn_implementation(NAME)

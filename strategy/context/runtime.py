@@ -227,10 +227,11 @@ class ContextParallel:
         key_padding: torch.Tensor | None = None,
         window: int | None = None,
         sink: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Exact attention of this rank's queries over the whole sequence (padding from ``attention_mask``: the
         step's, or ``key_padding`` given with this call; ``window``: a causal sliding window; ``sink``: an attention
-        sink's logit per query head)."""
+        sink's logit per query head; ``softcap``: soft-capped scores)."""
         assert self.group is not None
         self._attention_seen = True  # a store, not a count: reading it would make Dynamo recompile per call
         seq_len = query.shape[2] * self.size
@@ -244,8 +245,9 @@ class ContextParallel:
         try:
             padding = key_padding if key_padding is not None else self._key_padding
             return cp_attention(
-                query, key, value, self.group, seq_len, is_causal, scale, enable_gqa, padding, dropout_p, window, sink
-            )
+                query, key, value, self.group, seq_len, is_causal, scale, enable_gqa, padding, dropout_p, window, sink,
+                softcap,
+            )  # fmt: skip
         finally:
             self._inside = False
 

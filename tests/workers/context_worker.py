@@ -54,13 +54,18 @@ def padding(seq: int, side: str | None) -> torch.Tensor | None:
     return real if side == "right" else real.flip(1)
 
 
-def eager_with_sink(q, k, v, mask, sink) -> torch.Tensor:
-    """transformers' GPT-OSS eager attention: the sink's logit per head joins each row's softmax, then is dropped."""
+def eager(q, k, v, mask, sink, softcap) -> torch.Tensor:
+    """transformers' eager attention (Gemma 2's, GPT-OSS's): scores soft-capped, masked with the dtype's minimum,
+    the sink's logit per head joining each row's softmax, then dropped."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min if softcap else float("-inf"))
+    if sink is None:
+        return torch.softmax(scores, -1) @ v
     column = sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
     return probs @ v
@@ -85,16 +90,20 @@ def main() -> None:
     cp, rank = dist.get_world_size(), dist.get_rank()
     worst: dict[str, float] = {}
     big: list = []
-    # (heads, kv heads, tokens, causal, padding, sliding window, sink): the windows (transformers' sliding_window, a
-    # query at q sees the keys q - w < k <= q) shorter than a chunk (96 / 2cp tokens), longer than one, and covering
-    # all; attention sinks (GPT-OSS's: a logit per head in every row's softmax, of value zero).
-    cases = ((4, 4, 96, True, None, None, False), (4, 2, 192, True, None, None, False),
-             (2, 1, 96, False, None, None, False), (4, 2, 96, True, "right", None, False),
-             (4, 2, 96, True, "left", None, False), (2, 1, 96, False, "left", None, False),
-             (4, 2, 96, True, None, 5, False), (4, 2, 96, True, None, 30, False), (4, 4, 96, True, None, 96, False),
-             (4, 2, 96, True, "right", 20, False), (4, 2, 96, True, "left", 7, False),
-             (4, 2, 96, True, None, None, True), (4, 2, 96, True, "left", 20, True), (2, 1, 96, False, None, None, True))  # fmt: skip
-    for heads, kv_heads, seq, causal, side, window, with_sink in cases:
+    # (heads, kv heads, tokens, causal, padding, sliding window, sink, soft cap): the windows (transformers'
+    # sliding_window, a query at q sees the keys q - w < k <= q) shorter than a chunk (96 / 2cp tokens), longer than
+    # one, and covering all; attention sinks (GPT-OSS's: a logit per head in every row's softmax, of value zero);
+    # scores soft-capped (Gemma 2's softcap * tanh(scores / softcap), at 2 so that it bites).
+    cases = ((4, 4, 96, True, None, None, False, None), (4, 2, 192, True, None, None, False, None),
+             (2, 1, 96, False, None, None, False, None), (4, 2, 96, True, "right", None, False, None),
+             (4, 2, 96, True, "left", None, False, None), (2, 1, 96, False, "left", None, False, None),
+             (4, 2, 96, True, None, 5, False, None), (4, 2, 96, True, None, 30, False, None),
+             (4, 4, 96, True, None, 96, False, None), (4, 2, 96, True, "right", 20, False, None),
+             (4, 2, 96, True, "left", 7, False, None), (4, 2, 96, True, None, None, True, None),
+             (4, 2, 96, True, "left", 20, True, None), (2, 1, 96, False, None, None, True, None),
+             (4, 2, 96, True, None, None, False, 2.0), (4, 2, 96, True, "right", 20, True, 2.0),
+             (2, 1, 96, False, "left", None, False, 2.0))  # fmt: skip
+    for heads, kv_heads, seq, causal, side, window, with_sink, softcap in cases:
         g = torch.Generator().manual_seed(seq + heads)
         q = torch.randn(2, heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
         k = torch.randn(2, kv_heads, seq, 16, generator=g, dtype=torch.float64).float().requires_grad_()
@@ -108,14 +117,14 @@ def main() -> None:
             rows = mask if mask is not None else torch.ones(seq, seq, dtype=torch.bool).tril() if causal else True
             mask = real[:, None, None, :] & rows
         sink = torch.randn(heads, generator=g, dtype=torch.float64).float().requires_grad_() if with_sink else None
-        if sink is None:
+        if sink is None and softcap is None:
             full = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=kv_heads != heads
             )
         else:
             if mask is None and causal:
                 mask = torch.ones(seq, seq, dtype=torch.bool).tril()
-            full = eager_with_sink(q, k, v, mask, sink)
+            full = eager(q, k, v, mask, sink, softcap)
         full.backward(grad_out)
         index = local_positions(seq, rank, cp)
         for path in ("blocks", "masked"):  # masked: the one masked call a device without a block kernel makes
@@ -124,10 +133,10 @@ def main() -> None:
             with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes, kernel(path):
                 out = cp_attention(
                     *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real,
-                    window=window, sink=my_sink,
+                    window=window, sink=my_sink, softcap=softcap,
                 )  # fmt: skip
                 out.backward(shard_sequence(grad_out, rank, cp, dim=2))
-            big += shapes.found if path == "blocks" else []
+            big += shapes.found if path == "blocks" and softcap is None else []  # soft-capping: written out
             pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
                      "dv": (mine[2].grad, v.grad)}  # fmt: skip
             for name, (got, want) in pairs.items():
