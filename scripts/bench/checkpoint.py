@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -90,8 +89,9 @@ def worker(args: argparse.Namespace) -> None:
     module = LM(args.model)
     data = torch.randint(0, 256, (2 * world, 65))
     trainer.fit(module, DataLoader(data, batch_size=2))
-    # rank 0 makes it (and removes it at the end); the others use its path
-    root = Path(strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-") if strategy.global_rank == 0 else None))
+    from launch import shared_tempdir
+
+    root = shared_tempdir(strategy, "cuboid-bench-")
     local = local_state(module, trainer.optimizers[0])
     mb = sum(t.numel() * t.element_size() for t in local.values()) / 2**20
     result: dict[str, float] = {"mb_per_rank": mb}

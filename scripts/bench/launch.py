@@ -94,6 +94,13 @@ def write_results(out: str, meta: dict[str, Any], results: list[Any]) -> None:
     print(f"wrote {path}")
 
 
+def shared_tempdir(strategy: Any, prefix: str) -> Path:
+    """A scratch directory rank 0 makes (and removes at the end), its path broadcast to every rank."""
+    import tempfile
+
+    return Path(strategy.broadcast(tempfile.mkdtemp(prefix=prefix) if strategy.global_rank == 0 else None))
+
+
 class SetupMeasured(Exception):
     """Raised by ``SetupClock(stop=True)`` at the first step's start: the set-up was all that was wanted."""
 

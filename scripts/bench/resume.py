@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from launch import SetupClock, worker_or_relaunch
+from launch import SetupClock, shared_tempdir, worker_or_relaunch
 from torch.utils.data import DataLoader
 
 from cuboid import CuboidStrategy
@@ -56,10 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     data = DataLoader(torch.randint(0, 256, (4 * world, 33), generator=torch.Generator().manual_seed(0)), batch_size=2)
     trainer, strategy = _trainer(world, 1, [])
     trainer.fit(CausalLM(model=args.model, meta_init=True, warmup_steps=1, max_steps=4), data)
-    # rank 0 makes it (and removes it at the end); the others use its path
-    root = Path(
-        strategy.broadcast(tempfile.mkdtemp(prefix="cuboid-bench-resume-") if strategy.global_rank == 0 else None)
-    )
+    root = shared_tempdir(strategy, "cuboid-bench-resume-")
     trainer.save_checkpoint(root / "step1.ckpt")
     rows = []
     for mode in MODES:
