@@ -105,21 +105,22 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     ahead, gate = Ahead(), threading.Event()
 
     # The session's niceness reads "/autogroup-N nice K". A kernel without autogroups has no such file, and some
-    # sandboxes (CI's) have one that reads empty in the suite's session but well-formed in a new one: then "-" for
-    # the suite's, and what a new session reads, untouched, says whether a launch's session can be lowered.
+    # sandboxes (CI's) answer differently by who asks: there the suite's process reads it empty ("-") while its
+    # children, in the same session, read it well-formed. So what a launch should see is asked of a child of the
+    # suite's session, and whether a launch's session can be lowered is asked of a child in a new session, untouched.
     group = "/proc/self/autogroup"
     read = f"(lambda w: w[-1] if len(w) == 3 else '-')(open({group!r}).read().split() if os.path.exists({group!r}) else [])"
     probe = f"import os; print(os.nice(0), {read}, os.environ['PROBE'], os.environ.get('CUBOID_PEER_TIMEOUT', '-'))"
-    ours = eval(read)  # the suite's own session's niceness
-    new_session = subprocess.run(
-        [sys.executable, "-c", f"import os; print({read})"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-        check=True,
-    )
-    grouped = new_session.stdout.strip() != "-"
+
+    def child(new_session: bool = False) -> str:  # what a child reads for its session's niceness
+        argv = [sys.executable, "-c", f"import os; print({read})"]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, start_new_session=new_session, check=True
+        )
+        return done.stdout.strip()
+
+    here, ours = eval(read), child()  # the suite's own process's reading, and its session's as a child reads it
+    grouped = child(new_session=True) != "-"
 
     def seen(factory) -> list[list[str]]:  # what a launch's process sees, forked then fresh
         return [run_checked([sys.executable, "-c", probe], 120, fresh=fresh).split() for fresh in (False, True)]
@@ -152,7 +153,7 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
     assert ahead.state == dict.fromkeys(["tests/m.py::seen", "tests/m.py::fails", "tests/m.py::blocks"], "done")
     niceness = ["19", "19" if grouped else "-"]
     assert ahead.take("tests/m.py::seen", seen, tmp_path_factory) == [[*niceness, "the", "session's", "300"]] * 2
-    assert eval(read) == ours  # the suite's own session keeps its priority
+    assert (eval(read), child()) == (here, ours)  # the suite's own session keeps its priority
     with pytest.raises(pytest.fail.Exception, match="spec x left no result"):
         ahead.take("tests/m.py::fails", fails, tmp_path_factory)
     assert ahead.take("tests/m.py::blocks", blocks, tmp_path_factory) == "True"
