@@ -204,10 +204,17 @@ def cp_attention(
     if softcap is not None:
         return _written_out(query, keys, values, mask, scale, dropout_p, sink, softcap)
     if sink is not None:
-        return _with_sink(query, keys, values, mask, sink, scale, enable_gqa, dropout_p)
+        return _with_sink(query, keys, values, mask, sink, scale, dropout_p)
     return F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p
     )
+
+
+def _per_query_head(keys: torch.Tensor, values: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys and values repeated to one per query head (as ``enable_gqa`` would), where they are fewer."""
+    if keys.shape[1] == heads:
+        return keys, values
+    return keys.repeat_interleave(heads // keys.shape[1], dim=1), values.repeat_interleave(heads // values.shape[1], 1)
 
 
 def _with_sink(
@@ -217,15 +224,12 @@ def _with_sink(
     mask: torch.Tensor | None,
     sink: torch.Tensor,
     scale: float | None,
-    enable_gqa: bool,
     dropout_p: float,
 ) -> torch.Tensor:
     """The one masked call with an attention sink: one more key, all zeros, whose additive mask is the sink's logit
     per head (its score ``q . 0 + sink``) and whose value is zero; the sink's gradient flows through that mask."""
     batch, heads, rows = query.shape[:3]
-    if enable_gqa and keys.shape[1] != heads:  # the extra key is per query head: repeat the key/value heads first
-        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
-        values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    keys, values = _per_query_head(keys, values, heads)  # the extra key is per query head
     zero = keys.new_zeros((batch, heads, 1, keys.shape[-1]))
     keys, values = torch.cat([keys, zero], 2), torch.cat([values, zero.expand(-1, -1, -1, values.shape[-1])], 2)
     bias = torch.zeros((batch, heads, rows, keys.shape[2] - 1), dtype=query.dtype, device=query.device)
@@ -250,9 +254,7 @@ def _written_out(
     """Attention as transformers' eager function writes it, for soft-capped scores: ``q k^T`` scaled, soft-capped,
     masked (the dtype's minimum, as transformers' masks hold), a sink's column if any, softmax in float32."""
     heads = query.shape[1]
-    if keys.shape[1] != heads:
-        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
-        values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    keys, values = _per_query_head(keys, values, heads)
     scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
