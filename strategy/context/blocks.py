@@ -33,6 +33,7 @@ the rows.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -80,11 +81,13 @@ def _scatter_kv(dk: torch.Tensor, dv: torch.Tensor, group: dist.ProcessGroup) ->
     return mine[0], mine[1]
 
 
+@functools.lru_cache(maxsize=64)  # the same plan for every layer and step: its window masks made once
 def plan_blocks(
     chunks: tuple[int, int], chunk: int, seq_len: int, is_causal: bool, window: int | None = None,
     device: torch.device | None = None,
 ) -> list[list[Block]]:  # fmt: skip
-    """For each of this rank's two query chunks, the key blocks it attends to (``window``: causal sliding window)."""
+    """For each of this rank's two query chunks, the key blocks it attends to (``window``: causal sliding window).
+    Cached: the masks it holds are shared by every call with the same arguments and must not be written to."""
     if not is_causal:
         return [[(0, seq_len, False, None)] for _ in chunks]
     if window is None or window >= seq_len:
@@ -178,16 +181,16 @@ class _Blocks(torch.autograd.Function):
     ) -> torch.Tensor:
         keys, values = _gather_kv(key, value, group)
         chunk = query.shape[2] // len(plan)
-        outs, lses, saved = [], [], []
+        outs, lses, saved, masks = [], [], [], []
         for half, blocks in enumerate(plan):
             rows = query[:, :, half * chunk : (half + 1) * chunk]
             out = lse = None
             for block in blocks:
                 start, end, causal, _ = block
+                masks.append(_mask(bias, block, query.dtype))  # made once, for the backward too
                 block_out, block_lse, extra = compat.lse_attention(
-                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, _mask(bias, block, query.dtype),
-                    scale,
-                )  # fmt: skip
+                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, masks[-1], scale
+                )
                 dead = _dead(real, block)
                 if dead is not None:
                     block_lse = block_lse.masked_fill(dead, float("-inf"))
@@ -199,27 +202,27 @@ class _Blocks(torch.autograd.Function):
             outs.append(out.to(query.dtype))
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(query, key, value, out, lse, bias, sink)  # this rank's K and V only: gathered again
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved = group, plan, scale, kernel, saved
+        ctx.save_for_backward(query, key, value, out, lse, sink)  # this rank's K and V only: gathered again
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved, ctx.masks = group, plan, scale, kernel, saved, masks
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse, bias, sink = ctx.saved_tensors
+        query, key, value, out, lse, sink = ctx.saved_tensors
         keys, values = _gather_kv(key, value, ctx.group)
         chunk = query.shape[2] // len(ctx.plan)
         # A row with no real key: its output is a constant zero; +inf makes each block's probabilities 0 there.
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         dq, dk, dv = torch.zeros_like(query), torch.zeros_like(keys), torch.zeros_like(values)
-        extras = iter(ctx.saved)
+        extras, masks = iter(ctx.saved), iter(ctx.masks)
         for half, blocks in enumerate(ctx.plan):
             rows = slice(half * chunk, (half + 1) * chunk)
             q, g, o, row_lse = query[:, :, rows], grad[:, :, rows].contiguous(), out[:, :, rows], lse[:, :, rows]
             for block in blocks:
                 start, end, causal, _ = block
                 dq_b, dk_b, dv_b = compat.lse_attention_backward(
-                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal,
-                    _mask(bias, block, query.dtype), ctx.scale, next(extras),
+                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal, next(masks),
+                    ctx.scale, next(extras),
                 )  # fmt: skip
                 dq[:, :, rows] += dq_b
                 dk[:, :, start:end] += dk_b
