@@ -79,7 +79,7 @@ class JobGuard:
         self.even.install()
         dealt = trainer.strategy.distributed_sampler_kwargs  # the data-parallel ranks: peers share a rank
         data_ranks = trainer.strategy.dp_mesh.size()
-        self.peers = PeerBatches(trainer, self.host_group, dealt["rank"], data_ranks, dealt.get("num_replicas"))
+        self.peers = PeerBatches(trainer, self.host_group, dealt["rank"], data_ranks, dealt["num_replicas"])
         self.peers.install()
         if fitting:
             self._lock_checkpoint_dirs(trainer)

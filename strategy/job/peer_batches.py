@@ -73,15 +73,13 @@ def fingerprint(batch: Any) -> str:
 class PeerBatches(L.Callback):
     """Compares the first batch of each loop over each data-parallel rank's peers (see the module's docstring)."""
 
-    def __init__(
-        self, trainer: Any, group: Any, data_rank: int, data_ranks: int, dealt_over: int | None = None
-    ) -> None:
+    def __init__(self, trainer: Any, group: Any, data_rank: int, data_ranks: int, dealt_over: int) -> None:
         """``data_rank``: this rank's sampler rank (its peers share it); ``data_ranks``: how many of them ``group``
         holds; ``dealt_over``: how many the sampler deals over in the whole job (more than ``data_ranks`` with
         replica groups), which the error message names."""
         self.trainer, self.group = trainer, group
         self.data_rank = data_rank  # the sampler's rank: peers share it
-        self.dealt_over = dealt_over or data_ranks
+        self.dealt_over = dealt_over
         self.active = dist.is_initialized() and dist.get_world_size(group) > data_ranks
         self._pending: set[tuple[str, int]] = set()  # (stage, loader) whose first batch is still to be compared
 
