@@ -238,6 +238,18 @@ def _tiny_hf(family: str = "llama", **extra: object) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def _doge_under_cp() -> None:
+    """A transformers Doge (a dynamic mask computed from its values) switched to Cuboid's context-parallel attention,
+    run in a context-parallel step at cp=2: its first layer refuses before any collective."""
+    from cuboid.context import ContextParallel
+    from cuboid.context.hf import use_cp_attention
+
+    model = _tiny_hf("doge", num_key_value_heads=2)
+    use_cp_attention(model)
+    with ContextParallel(Layout(cp=2)).step():
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
 def _no_position_ids() -> None:
     from cuboid.context import positions_keyword
 
@@ -474,6 +486,12 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         lambda: _cp_attention_call(position_bias=torch.zeros(1, 2, 4, 4)),
         ValueError,
         r"Identity \(layer \?\) passes position_bias to its attention function.*Use context_parallel=1",
+    ),
+    "a layer's own attention mask under context parallel": (
+        _doge_under_cp,
+        ValueError,
+        r"DogeAttention \(layer 0\) passes its attention function a mask of its own making \(shape \(1, 2, 8, 8\).*"
+        r"Use context_parallel=1",
     ),
     "context parallel with compiled, checkpointed blocks": (
         lambda: CuboidStrategy(context_parallel=2, compile=True, activation_checkpointing="full"),

@@ -6,7 +6,8 @@ implementation its mask registry does not list; the function applies the causal 
 sliding-window layer's window (``sliding_window``, as transformers passes it to the attention function), attention
 sinks (``s_aux``), soft-capped scores (``softcap``) and the padding of the whole batch's ``attention_mask``
 itself. Outside a context-parallel step it is the ``sdpa`` function, with no mask (plain causal attention). What
-else changes the attention (``UNCOMPUTED``) is refused at the first forward, by name.
+else changes the attention (``UNCOMPUTED``) is refused at the first forward, by name, and so is a mask a layer makes
+itself (transformers makes none for this implementation; Doge's dynamic mask is one).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _attention(
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} passes {', '.join(unknown)} to its attention function, which "
             "changes the attention Cuboid's context-parallel attention computes (it computes causal softmax "
+            "attention with padding, sliding windows, sinks and soft-capping). Use context_parallel=1."
+        )
+    if attention_mask is not None:  # transformers makes none for "cuboid_cp": this one is the layer's own
+        raise ContextParallelError(
+            f"context_parallel={cp.size}: {layer} passes its attention function a mask of its own making (shape "
+            f"{tuple(attention_mask.shape)}, e.g. Doge's dynamic mask, computed from this rank's tokens), which "
+            "Cuboid's context-parallel attention cannot extend to the other ranks' keys (it computes causal softmax "
             "attention with padding, sliding windows, sinks and soft-capping). Use context_parallel=1."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
