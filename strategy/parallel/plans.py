@@ -140,14 +140,23 @@ def usable_model_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, str
       ``packed_colwise``, and the ``rowwise`` it gives ``experts.down_proj``) are left out: Cuboid keeps each MoE
       layer's experts whole on every tp rank (split over ``expert_parallel`` ranks instead, if asked) and runs
       them on the whole batch there, the router (replicated) choosing alike on every tp rank;
-    * and so are, in an MoE model, entries for module kinds it does not have (Qwen3-MoE's plan also covers dense
-      layers, ``mlp.gate_proj``, that a config without ``mlp_only_layers`` never builds), as transformers does.
+    * and so are entries for module kinds the model does not have, as transformers leaves them: a family's plan
+      covers every module its configs can build (Qwen3-MoE's also covers dense layers, ``mlp.gate_proj``, that a
+      config without ``mlp_only_layers`` never builds; Doge's covers ``mlp.router_gate``, built only with
+      ``is_moe``).
     """
+    from lightning.pytorch.utilities import rank_zero_info
+
     experts = [name for name, _ in experts_modules(root)]
-    if not experts:
-        return dict(plan)
     names = [n for n, _ in root.named_modules() if n]
-    plan = {p: style for p, style in plan.items() if any(fnmatch.fnmatchcase(n, p) for n in names) or ".experts" in p}
+    absent = [
+        p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names) and not (experts and ".experts" in p)
+    ]
+    if absent:
+        rank_zero_info(f"Cuboid: the model's tensor-parallel plan names modules this model does not build: {absent}")
+    plan = {p: style for p, style in plan.items() if p not in absent}
+    if not experts:
+        return plan
     inside = [*experts, *(f"{e}.{n}" for e in experts for n, _ in root.get_submodule(e).named_parameters())]
 
     def splits_experts(pattern: str, style: str) -> bool:
@@ -157,8 +166,6 @@ def usable_model_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, str
 
     dropped = [p for p, style in plan.items() if splits_experts(p, style)]
     if dropped:
-        from lightning.pytorch.utilities import rank_zero_info
-
         rank_zero_info(f"Cuboid: the experts stay whole on every tp rank (left out of the tp plan: {dropped})")
     return {p: style for p, style in plan.items() if p not in dropped}
 

@@ -14,6 +14,7 @@ from cuboid.parallel.plans import (
     check_tp_divisibility,
     find_model_plan,
     match_plan,
+    resolve_plan,
     to_parallel_style,
 )
 from cuboid.parallel.styles import LocalParams, MlaKvAProj
@@ -188,6 +189,31 @@ def test_a_hugging_face_llama_plan_resolves_without_a_user_plan() -> None:
     check_tp_divisibility(module, matched, 2)
     with pytest.raises(PlanError, match=r"num_key_value_heads = 2 is not divisible by tp=4"):
         check_tp_divisibility(module, matched, 4)
+
+
+def test_a_models_own_plan_leaves_out_modules_its_config_does_not_build_and_a_users_plan_does_not() -> None:
+    """transformers' Doge plans ``mlp.router_gate`` (built only with ``is_moe``): tensor_parallel=2 stopped with
+    'matches no module' on a dense Doge, which transformers' own tensor parallel trains. A user's plan is taken as
+    written."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    assert "layers.*.mlp.router_gate" in config.base_model_tp_plan and not config.is_moe
+
+    class HFModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    module = HFModule()
+    styles = {name: style for name, (_, style) in resolve_plan(module, None, 2).items()}
+    assert styles["model.model.layers.1.self_attn.dt_proj"] == "rowwise"
+    assert styles["model.model.layers.0.mlp.down_proj"] == "rowwise"
+    assert not [name for name in styles if "router_gate" in name]
+    with pytest.raises(PlanError, match=r"'model.model.layers.\*.mlp.router_gate' matches no module"):
+        resolve_plan(module, {"model.model.layers.*.mlp.router_gate": "colwise"}, 2)
 
 
 def test_expert_and_parameter_entries_are_refused_with_what_to_do() -> None:
