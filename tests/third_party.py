@@ -25,8 +25,22 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
+
+# Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
+# share of up_proj's features, so their gradients must be summed over tp (a user's plan replaces the model's own).
+APERTUS_PLAN = {
+    "model.lm_head": "colwise_gather_output",
+    "model.model.embed_tokens": "embedding_rowwise",
+    **{f"model.model.layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+    "model.model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "model.model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "model.model.layers.*.self_attn.o_proj": "rowwise",
+    "model.model.layers.*.mlp.up_proj": "colwise",
+    "model.model.layers.*.mlp.down_proj": "rowwise",
+    "model.model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce",
+}
 
 # Tensor-parallel plan for transformers' ViT, given as data (ViT carries none), names as seen from the module.
 VIT_PLAN = {
@@ -121,6 +135,11 @@ def hf_config(family: str):
         return transformers.Qwen2Config(
             vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True,
             sliding_window=8, max_window_layers=2, **ids, **small,
+        )  # fmt: skip
+    if family == "hf_apertus":  # a learned activation (xIELU: act_fn.alpha_p, alpha_n) between up_proj and down_proj
+        return transformers.ApertusConfig(
+            vocab_size=256, num_key_value_heads=2, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **ids, **small,
         )  # fmt: skip
     if family == "hf_vit":
         return transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=10, **small)

@@ -45,7 +45,7 @@ from cuboid.parallel import (
     without_loss_parallel,
 )
 from cuboid.pipeline import PipelineError
-from cuboid.step import clip_grad_norm_
+from cuboid.step import check_tp_gradients, clip_grad_norm_
 
 
 class CuboidStrategy(MeshCollectives, ParallelStrategy):
@@ -113,6 +113,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         self.checkpointer = Checkpointer(checkpoint_format, False, barrier=self.barrier)
         self._num_nodes = 1
         self._module: nn.Module | None = None
+        self._tp_gradients_checked = False  # the first optimizer step compares tp's whole parameters' gradients
         self._backward_sync_control = NoGradientSync()
 
     # ------------------------------------------------------------------ Fabric's plumbing
@@ -231,6 +232,17 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ the step's numerics and collectives
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optimizer's step; before the first one, the parameters tp leaves whole must have the same gradient on
+        every tp rank (:mod:`cuboid.step.tp_gradients`: one small collective, once)."""
+        if not self._tp_gradients_checked and self._module is not None:
+            self._tp_gradients_checked = True
+            tp = self.device_mesh["tp"]
+            if tp.size() > 1:
+                check_tp_gradients(self._module.named_parameters(), tp.get_group(), self.root_device)
+        return super().optimizer_step(optimizer, **kwargs)
+
     @override
     def clip_gradients_norm(
         self,

@@ -20,6 +20,7 @@ from cuboid.job.even_batches import EvenBatches
 from cuboid.job.peer_batches import PeerBatches
 from cuboid.job.run_lock import RunDirectoryBusy, RunLock
 from cuboid.job.watchdog import PeerWatchdog
+from cuboid.step import TpGradients
 
 
 class JobGuard:
@@ -38,6 +39,7 @@ class JobGuard:
         self.stop: stopping.StopAgreement | None = None
         self.even: EvenBatches | None = None
         self.peers: PeerBatches | None = None
+        self.tp_gradients: tuple[Any, TpGradients] | None = None  # (the trainer, its callback)
         self.hang: hangs.HangReport | None = None
         self.locks: list[RunLock] = []  # rank 0: the checkpoint directories this fit writes to
         self.preempted_to: Path | None = None  # the checkpoint a preemption signal made the last fit save
@@ -82,6 +84,10 @@ class JobGuard:
         self.peers = PeerBatches(trainer, self.host_group, dealt["rank"], data_ranks, dealt["num_replicas"])
         self.peers.install()
         if fitting:
+            tp = trainer.strategy.device_mesh["tp"]
+            if tp.size() > 1:  # whole parameters get the same gradient on every tp rank (cuboid.step.tp_gradients)
+                self.tp_gradients = (trainer, TpGradients(tp.get_group()))
+                trainer.callbacks.append(self.tp_gradients[1])
             self._lock_checkpoint_dirs(trainer)
             self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure, settle_saves)
             self.stop.install()
@@ -151,6 +157,11 @@ class JobGuard:
         if self.peers is not None:
             self.peers.uninstall()
             self.peers = None
+        if self.tp_gradients is not None:
+            trainer, callback = self.tp_gradients
+            if callback in trainer.callbacks:
+                trainer.callbacks.remove(callback)
+            self.tp_gradients = None
         if self.stop is not None:
             self.stop.uninstall()
             self.preempted_to = self.stop.preempted_to or self.preempted_to

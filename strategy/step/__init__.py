@@ -1,10 +1,12 @@
 """The training step: the numerics of one training step across the mesh. Precision (FSDP2's mixed-precision
-policy), the global gradient norm and clipping, the non-finite guard, and loss parallel."""
+policy), the global gradient norm and clipping, the non-finite guard, loss parallel, and the first step's check
+that tensor parallel's whole parameters get the same gradient on every tp rank."""
 
 from cuboid.step.grad_norm import clip_grad_norm_, global_grad_norm
 from cuboid.step.loss_parallel import LossParallel, plain, plain_output
 from cuboid.step.nonfinite import NonFiniteError, NonFiniteGuard
 from cuboid.step.precision import CuboidPrecision, PrecisionPolicy
+from cuboid.step.tp_gradients import TpGradients, TpGradientsDiffer, check_tp_gradients
 
 __all__ = [
     "CuboidPrecision",
@@ -12,6 +14,9 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteGuard",
     "PrecisionPolicy",
+    "TpGradients",
+    "TpGradientsDiffer",
+    "check_tp_gradients",
     "clip_grad_norm_",
     "global_grad_norm",
     "plain",
