@@ -7,7 +7,8 @@ sliding-window layer's window (``sliding_window``, as transformers passes it to 
 sinks (``s_aux``), soft-capped scores (``softcap``) and the padding of the whole batch's ``attention_mask``
 itself. Outside a context-parallel step it is the ``sdpa`` function, with no mask (plain causal attention). What
 else changes the attention (``UNCOMPUTED``) is refused at the first forward, by name, and so is a mask a layer makes
-itself (transformers makes none for this implementation; Doge's dynamic mask is one).
+itself (one that carries a gradient or differs by head: Doge's dynamic mask); transformers' own causal and padding
+masks are ignored, since this function applies both on global positions.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def _attention(
             "changes the attention Cuboid's context-parallel attention computes (it computes causal softmax "
             "attention with padding, sliding windows, sinks and soft-capping). Use context_parallel=1."
         )
-    if attention_mask is not None:  # transformers makes none for "cuboid_cp": this one is the layer's own
+    mask = attention_mask
+    if mask is not None and (mask.requires_grad or (mask.dim() == 4 and mask.shape[1] > 1)):
+        # a mask the layer made itself (learned, or per head), not one of transformers' causal/padding masks
+        # (those carry no gradient and one head; a pipeline stage's copy of the config builds one, which Cuboid's
+        # attention recomputes on global positions itself)
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} passes its attention function a mask of its own making (shape "
             f"{tuple(attention_mask.shape)}, e.g. Doge's dynamic mask, computed from this rank's tokens), which "
