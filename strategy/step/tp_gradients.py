@@ -10,8 +10,9 @@ share and the copies drift apart, with no error: the loss stays close for a whil
 :class:`TpGradients` (installed for fitting when ``tensor_parallel > 1``) compares, at the first optimizer step of
 each fit, every such parameter's local gradient (its norm and its sum) over the tp ranks of one replica: one small
 all-gather and one host read, once. A parameter whose gradients differ is named in :class:`TpGradientsDiffer`,
-with the fix (the plan's ``replicated_with_grad_allreduce``, which sums them over tp). Parameters the plan splits
-over tp (``Shard`` on the ``tp`` mesh dimension) are not compared: their shards differ by design.
+with the fix (the plan's ``replicated_with_grad_allreduce``, which sums them over tp). Parameters split over the
+tp ranks (a ``Shard`` placement on a mesh dimension that spans them) are not compared: their shards differ by
+design.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ class TpGradientsDiffer(RuntimeError):
     """Parameters left whole on every tp rank got different gradients on the tp ranks of one replica."""
 
 
-def split_over_tp(param: torch.Tensor) -> bool:
-    """Whether the plan splits ``param`` over the ``tp`` mesh dimension (its ranks hold different shards)."""
+def split_over(param: torch.Tensor, peers: set[int]) -> bool:
+    """Whether ``param`` is sharded over some of the ranks ``peers`` (global ranks): a DTensor with a ``Shard``
+    placement on a mesh dimension whose ranks include another of them. Read from the process groups, not the mesh
+    dimensions' names, so that a model parallelized by hand on a mesh of its own counts too."""
     if not isinstance(param, DTensor):
         return False
-    names = param.device_mesh.mesh_dim_names or ()
-    return "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
+    mesh = param.device_mesh
+    return any(
+        isinstance(placement, Shard) and len(set(dist.get_process_group_ranks(mesh.get_group(i))) & peers) > 1
+        for i, placement in enumerate(param.placements)
+    )
 
 
 def _statistics(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -55,9 +61,12 @@ def _statistics(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor
 def check_tp_gradients(named: Iterable[tuple[str, torch.Tensor]], group: Any, device: torch.device) -> None:
     """Compare the local gradients of the parameters ``tp`` leaves whole over ``group`` (this rank's tp ranks; a
     collective, every rank of it calls it). Raises :class:`TpGradientsDiffer` naming those that differ."""
-    whole = [(name, p) for name, p in named if p.requires_grad and not split_over_tp(p)]
     size = dist.get_world_size(group)
-    if not whole or size == 1:
+    if size == 1:
+        return
+    peers = set(dist.get_process_group_ranks(group))
+    whole = [(name, p) for name, p in named if p.requires_grad and not split_over(p, peers)]
+    if not whole:
         return
     local = torch.stack([_statistics(p.grad, device) for _, p in whole])  # (params, 2)
     gathered = torch.empty((size * len(whole), 2), device=device)
