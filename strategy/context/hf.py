@@ -56,9 +56,8 @@ def _attention(
         )
     mask = attention_mask
     if mask is not None and (mask.requires_grad or (mask.dim() == 4 and mask.shape[1] > 1)):
-        # a mask the layer made itself (learned, or per head), not one of transformers' causal/padding masks
-        # (those carry no gradient and one head; a pipeline stage's copy of the config builds one, which Cuboid's
-        # attention recomputes on global positions itself)
+        # a mask the layer made itself (learned, or per head). transformers' own causal/padding masks (no gradient,
+        # one head) come only from a config left at another implementation, and are applied here on global positions
         raise ContextParallelError(
             f"context_parallel={cp.size}: {layer} passes its attention function a mask of its own making (shape "
             f"{tuple(attention_mask.shape)}, e.g. Doge's dynamic mask, computed from this rank's tokens), which "

@@ -93,6 +93,8 @@ class ContextParallel:
         self._transformers = hf.use_cp_attention(root)
         if runner is not None:
             runner.context = self
+            for stage in runner.stages:  # a stage's base model has a config of its own: it builds no mask either
+                hf.use_cp_attention(stage.submod)
         else:
             root.register_forward_pre_hook(self._shard_inputs, with_kwargs=True, prepend=True)
 

@@ -161,3 +161,12 @@ def test_checkpoints_move_between_cp2_and_cp1(name: str, saved: str, results) ->
 def test_a_sequence_cp_cannot_split_stops_before_the_first_step(results) -> None:
     error = results["err-seq-not-divisible"]["error"]
     assert "62 tokens cannot be split over context_parallel=2" in error and "multiple of 4" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_qwen3-cp2xdp2", "hf_qwen3-pp2xcp2-Interleaved1F1B-padded"])
+def test_every_config_of_a_transformers_model_uses_cuboids_attention(name: str, results) -> None:
+    """Each pipeline stage's base model has a config of its own: left at sdpa, it built transformers' causal and
+    padding mask on every stage and microbatch (a host sync on a GPU) that the attention then ignored."""
+    for facts in results[name]["ranks"]:
+        assert facts["attn_implementations"] == ["cuboid_cp"], facts["attn_implementations"]

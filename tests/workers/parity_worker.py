@@ -372,6 +372,15 @@ def run(spec: dict, out_dir: Path) -> None:
         ),
         "params": sorted(n for n, _ in module.named_parameters()),
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
+        # every transformers config's attention implementation, the pipeline stages' own configs too
+        "attn_implementations": sorted(
+            {
+                m.config._attn_implementation
+                for root in [module, *(s.submod for s in getattr(strategy.pipelining.runner, "stages", []))]
+                for m in root.modules()
+                if hasattr(getattr(m, "config", None), "_attn_implementation")
+            }
+        ),
         "compiled_graphs": compiled_graphs,
         "stopped_at": trainer.global_step,
         "stopped_by": stopped_by,
