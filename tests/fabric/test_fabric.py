@@ -19,7 +19,10 @@ from parity_lib import ADAMW, GLOBAL_BATCH, LOSS_RTOL, PARAM_ATOL, SEED, parity_
 
 STEPS = 6
 TABLE: dict[str, tuple[float, float]] = {}
-CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_llama_lora": 0.4}  # the reference clips on some steps, not all
+CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_llama_lora": 0.4, "hf_apertus": 1.75}  # clipped on some steps
+# Apertus's own plan as Fabric names it (the model is set up itself, not a LightningModule's child), with its xIELU's
+# parameters summed over tp (tests/models/test_third_party.py: without, the first step stops)
+APERTUS_PLAN = {name.removeprefix("model."): style for name, style in third_party.APERTUS_PLAN.items()}
 RUNS: dict[str, tuple[int, dict]] = {
     "dp2": (2, {"registered": True}),  # Fabric(strategy="cuboid"): dp_shard fills the world
     "cp2-meta": (2, {"strategy": {"context_parallel": 2}, "meta_init": True}),
@@ -30,7 +33,10 @@ RUNS: dict[str, tuple[int, dict]] = {
                                "clip": 1.85}),
     # a LoRA fine-tune (peft.get_peft_model): the adapter split beside its base layer, the base frozen
     "dp2xtp2-lora": (4, {"strategy": {"tensor_parallel": 2}, "family": "hf_llama_lora"}),
+    "tp2-apertus-plan_extended": (2, {"strategy": {"tensor_parallel": 2, "tensor_parallel_plan": APERTUS_PLAN},
+                                      "family": "hf_apertus"}),
 }  # fmt: skip
+APERTUS_ERROR = "tp2-apertus-own_plan"
 
 
 def family_of(name: str) -> str:
@@ -56,6 +62,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
 
     first = specs(2)
     first[0].update(save_at=STEPS, save_to=str(fabric_ckpt))  # dp2 saves its state after the last step
+    first.append({"name": APERTUS_ERROR, "steps": STEPS, "clip": CLIP["hf_apertus"], "family": "hf_apertus",
+                  "strategy": {"tensor_parallel": 2}, "expect_error": True})  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "fabric_worker.py", first)
     trainer = [
@@ -170,3 +178,12 @@ def test_a_fabric_checkpoint_resumes_under_the_trainer(results) -> None:
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
     # not trivially so: training from the initial weights again would differ
     assert abs(got["losses"][0] - losses[0]) / losses[0] > 1e-3
+
+
+@pytest.mark.slow
+def test_whole_parameters_with_a_share_of_the_gradient_under_tp_stop_fabrics_first_step(results) -> None:
+    """Fabric's door runs the Trainer's check (tests/models/test_third_party.py) in its optimizer_step: Apertus under
+    its own plan stops before the first step, its parameters named as Fabric names them."""
+    error = results[APERTUS_ERROR].get("error")  # a run that trained left its losses instead
+    assert error is not None and error.startswith("TpGradientsDiffer: tensor_parallel=2: 8 parameter(s) "), error
+    assert "model.layers.0.mlp.act_fn.alpha_p" in error and "Add their modules (model.layers.*.mlp.act_fn)" in error

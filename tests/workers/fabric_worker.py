@@ -14,6 +14,7 @@ averaged with ``fabric.all_reduce``, and ``fabric.save`` / ``fabric.load`` of ``
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -98,7 +99,17 @@ def run(spec: dict, out_dir: Path) -> None:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     for spec in each_spec(sys.argv[2]):
-        run(spec, out_dir)
+        if not spec.get("expect_error"):
+            run(spec, out_dir)
+            continue
+        try:  # a spec that must stop: rank 0 records the error message
+            run(spec, out_dir)
+            message = None
+        except Exception as err:  # noqa: BLE001  (the message is what the test checks)
+            message = f"{type(err).__name__}: {err}"
+        if dist.get_rank() == 0:
+            (out_dir / f"{spec['name']}.error.json").write_text(json.dumps({"error": message}))
+        dist.barrier()
 
 
 if __name__ == "__main__":
