@@ -19,6 +19,7 @@ from torch import nn
 from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
+from cuboid.context.hf import use_cp_attention
 from cuboid.experts import expert_block
 from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
@@ -491,6 +492,12 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         _doge_under_cp,
         ValueError,
         r"DogeAttention \(layer 0\) passes its attention function a mask of its own making \(shape \(1, 2, 8, 8\).*"
+        r"Use context_parallel=1",
+    ),
+    "layers that mix tokens outside attention under context parallel": (
+        lambda: use_cp_attention(_tiny_hf("minimax", num_key_value_heads=2)),
+        ValueError,
+        r"context_parallel cannot split MiniMaxForCausalLM: config.layer_types has 'linear_attention' \(layers 1\).*"
         r"Use context_parallel=1",
     ),
     "context parallel with compiled, checkpointed blocks": (

@@ -25,6 +25,10 @@ NAME = "cuboid_cp"
 # What some families pass their attention function that changes its result and that "cuboid_cp" does not compute:
 # T5-style relative position biases, sparse attention's selected keys, another name for sinks, head masks, ALiBi.
 UNCOMPUTED = ("position_bias", "indices", "block_indices", "sinks", "head_mask", "alibi_slopes")
+# Layer types (transformers' ``config.layer_types``) whose layers mix tokens only through softmax attention, or not at
+# all: what context parallel splits exactly. Any other (linear attention, state-space, convolution, hybrid layers)
+# mixes tokens along the sequence outside attention, where a rank would see its own tokens only.
+SPLIT_LAYER_TYPES = {"full_attention", "sliding_attention", "mlp", "moe"}
 # Implementations whose result is plain softmax attention, which "cuboid_cp" computes exactly.
 EXACT = {"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
 
@@ -80,6 +84,7 @@ def use_cp_attention(model: nn.Module) -> bool:
         return False
     from transformers import AttentionInterface
 
+    _check_layer_types(model, config)
     current = getattr(config, "_attn_implementation", None) or "sdpa"
     if current not in EXACT | {NAME}:
         raise ContextParallelError(
@@ -90,3 +95,22 @@ def use_cp_attention(model: nn.Module) -> bool:
     AttentionInterface.register(NAME, _attention)
     model.set_attn_implementation(NAME)
     return True
+
+
+def _check_layer_types(model: nn.Module, config: Any) -> None:
+    """Refuse a model with layers that mix tokens outside attention (see ``SPLIT_LAYER_TYPES``), by type and index."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or getattr(config, "layer_types", None) or []
+    other: dict[str, list[int]] = {}
+    for index, kind in enumerate(types):
+        if kind not in SPLIT_LAYER_TYPES:
+            other.setdefault(str(kind), []).append(index)
+    if other:
+        named = "; ".join(f"{kind!r} (layers {', '.join(map(str, idx[:6]))}{', ...' if len(idx) > 6 else ''})"
+                          for kind, idx in other.items())  # fmt: skip
+        raise ContextParallelError(
+            f"context_parallel cannot split {type(model).__name__}: config.layer_types has {named}, layers that mix "
+            "tokens along the sequence outside softmax attention (linear attention, state-space or convolution "
+            "layers). Cuboid's context parallel splits attention across ranks only, so those layers would see this "
+            "rank's tokens alone and train silently wrong. Use context_parallel=1."
+        )
