@@ -104,10 +104,11 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
 
     ahead, gate = Ahead(), threading.Event()
 
-    # The session's niceness reads "/autogroup-N nice K". A kernel without autogroups has no such file, and some
-    # sandboxes (CI's) answer differently by who asks: there the suite's process reads it empty ("-") while its
-    # children, in the same session, read it well-formed. So what a launch should see is asked of a child of the
-    # suite's session, and whether a launch's session can be lowered is asked of a child in a new session, untouched.
+    # The session's niceness reads "/autogroup-N nice K". A kernel without autogroups has no such file, and a
+    # process in the kernel's default group (no autogroup of its own: CI's sandbox runs the suite there) reads it
+    # empty ("-"), while a new session (setsid) gets an autogroup of its own and reads it well-formed. So what a
+    # launch should see depends on its session: the suite's, as a child of it reads it, or a new one, as a child in
+    # a new session reads it untouched (which also tells whether a launch's session can be lowered at all).
     group = "/proc/self/autogroup"
     read = f"(lambda w: w[-1] if len(w) == 3 else '-')(open({group!r}).read().split() if os.path.exists({group!r}) else [])"
     probe = f"import os; print(os.nice(0), {read}, os.environ['PROBE'], os.environ.get('CUBOID_PEER_TIMEOUT', '-'))"
@@ -120,7 +121,8 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
         return done.stdout.strip()
 
     here, ours = eval(read), child()  # the suite's own process's reading, and its session's as a child reads it
-    grouped = child(new_session=True) != "-"
+    untouched = child(new_session=True)  # what a new session reads before anyone lowers it
+    grouped = untouched != "-"
 
     def seen(factory) -> list[list[str]]:  # what a launch's process sees, forked then fresh
         return [run_checked([sys.executable, "-c", probe], 120, fresh=fresh).split() for fresh in (False, True)]
@@ -158,7 +160,15 @@ def test_a_fixture_run_ahead_gives_its_result_or_its_failure_and_nothing_starts_
         ahead.take("tests/m.py::fails", fails, tmp_path_factory)
     assert ahead.take("tests/m.py::blocks", blocks, tmp_path_factory) == "True"
     assert ahead.take("tests/m.py::thread", thread, tmp_path_factory) == threading.current_thread().name
-    assert run_checked([sys.executable, "-c", probe], 120).split()[:2] == [str(os.nice(0)), ours]
+    # Once closed, a launch runs in the foreground, not lowered. Forked from the fork server it is in a session of its
+    # own (the server's agent calls setsid) and reads what an untouched new session reads; a fresh interpreter stays
+    # in the suite's session. (CI at 3567d96 told them apart: the suite's session read "-", an agent's "0".)
+    own = "os.getsid(0) != int(os.environ['SUITE_SID'])"
+    env = {**worker_env(), "SUITE_SID": str(os.getsid(0))}
+    forked = os.environ.get("CUBOID_TEST_LAUNCH") != "torchrun"
+    for fresh in (False, True):
+        out = run_checked([sys.executable, "-c", f"import os; print(os.nice(0), {read}, {own})"], 120, env, fresh=fresh)
+        assert out.split() == [str(os.nice(0)), untouched if forked and not fresh else ours, str(forked and not fresh)]
 
 
 def test_a_fixture_stuck_ahead_fails_its_tests_with_every_threads_stack_and_nothing_more_runs_ahead(
