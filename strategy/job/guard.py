@@ -39,7 +39,7 @@ class JobGuard:
         self.stop: stopping.StopAgreement | None = None
         self.even: EvenBatches | None = None
         self.peers: PeerBatches | None = None
-        self.tp_gradients: tuple[Any, TpGradients] | None = None  # (the trainer, its callback)
+        self.tp_gradients: TpGradients | None = None
         self.hang: hangs.HangReport | None = None
         self.locks: list[RunLock] = []  # rank 0: the checkpoint directories this fit writes to
         self.preempted_to: Path | None = None  # the checkpoint a preemption signal made the last fit save
@@ -86,8 +86,8 @@ class JobGuard:
         if fitting:
             tp = trainer.strategy.device_mesh["tp"]
             if tp.size() > 1:  # whole parameters get the same gradient on every tp rank (cuboid.step.tp_gradients)
-                self.tp_gradients = (trainer, TpGradients(tp.get_group()))
-                trainer.callbacks.append(self.tp_gradients[1])
+                self.tp_gradients = TpGradients(trainer, tp.get_group())
+                self.tp_gradients.install()
             self._lock_checkpoint_dirs(trainer)
             self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure, settle_saves)
             self.stop.install()
@@ -158,9 +158,7 @@ class JobGuard:
             self.peers.uninstall()
             self.peers = None
         if self.tp_gradients is not None:
-            trainer, callback = self.tp_gradients
-            if callback in trainer.callbacks:
-                trainer.callbacks.remove(callback)
+            self.tp_gradients.uninstall()
             self.tp_gradients = None
         if self.stop is not None:
             self.stop.uninstall()

@@ -38,17 +38,22 @@ class TpGradientsDiffer(RuntimeError):
     """Parameters left whole on every tp rank got different gradients on the tp ranks of one replica."""
 
 
-def split_over(param: torch.Tensor, peers: set[int]) -> bool:
+def split_over(param: torch.Tensor, peers: set[int], seen: dict[tuple[int, int], bool] | None = None) -> bool:
     """Whether ``param`` is sharded over some of the ranks ``peers`` (global ranks): a DTensor with a ``Shard``
     placement on a mesh dimension whose ranks include another of them. Read from the process groups, not the mesh
-    dimensions' names, so that a model parallelized by hand on a mesh of its own counts too."""
+    dimensions' names, so that a model parallelized by hand on a mesh of its own counts too. ``seen`` keeps the
+    answer per mesh dimension across calls (the parameters of a model share a few meshes)."""
     if not isinstance(param, DTensor):
         return False
-    mesh = param.device_mesh
-    return any(
-        isinstance(placement, Shard) and len(set(dist.get_process_group_ranks(mesh.get_group(i))) & peers) > 1
-        for i, placement in enumerate(param.placements)
-    )
+    mesh, seen = param.device_mesh, {} if seen is None else seen
+
+    def spans(dim: int) -> bool:
+        key = (id(mesh), dim)
+        if key not in seen:
+            seen[key] = len(set(dist.get_process_group_ranks(mesh.get_group(dim))) & peers) > 1
+        return seen[key]
+
+    return any(isinstance(placement, Shard) and spans(i) for i, placement in enumerate(param.placements))
 
 
 def _statistics(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -65,7 +70,8 @@ def check_tp_gradients(named: Iterable[tuple[str, torch.Tensor]], group: Any, de
     if size == 1:
         return
     peers = set(dist.get_process_group_ranks(group))
-    whole = [(name, p) for name, p in named if p.requires_grad and not split_over(p, peers)]
+    seen: dict[tuple[int, int], bool] = {}
+    whole = [(name, p) for name, p in named if p.requires_grad and not split_over(p, peers, seen)]
     if not whole:
         return
     local = torch.stack([_statistics(p.grad, device) for _, p in whole])  # (params, 2)
@@ -93,9 +99,17 @@ def check_tp_gradients(named: Iterable[tuple[str, torch.Tensor]], group: Any, de
 class TpGradients(L.Callback):
     """Runs :func:`check_tp_gradients` at the first optimizer step of each fit (see the module's docstring)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, trainer: L.Trainer, group: Any) -> None:
+        self.trainer, self.group = trainer, group
         self.pending = False
+
+    def install(self) -> None:
+        """Join the trainer's callbacks (for one fit: :meth:`uninstall` at its teardown)."""
+        self.trainer.callbacks.append(self)
+
+    def uninstall(self) -> None:
+        if self in self.trainer.callbacks:
+            self.trainer.callbacks.remove(self)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.pending = True
