@@ -58,8 +58,8 @@ def _attention(
             "changes the attention Cuboid's context-parallel attention computes (it computes causal softmax "
             "attention with padding, sliding windows, sinks and soft-capping). Use context_parallel=1."
         )
-    mask = attention_mask
-    if mask is not None and (mask.requires_grad or (mask.dim() == 4 and mask.shape[1] > 1)):
+    per_head = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
+    if per_head or (attention_mask is not None and attention_mask.requires_grad):
         # a mask the layer made itself (learned, or per head). transformers' own causal/padding masks (no gradient,
         # one head) come only from a config left at another implementation, and are applied here on global positions
         raise ContextParallelError(
