@@ -243,7 +243,6 @@ def _doge_under_cp() -> None:
     """A transformers Doge (a dynamic mask computed from its values) switched to Cuboid's context-parallel attention,
     run in a context-parallel step at cp=2: its first layer refuses before any collective."""
     from cuboid.context import ContextParallel
-    from cuboid.context.hf import use_cp_attention
 
     model = _tiny_hf("doge", num_key_value_heads=2)
     use_cp_attention(model)
