@@ -87,11 +87,16 @@ class FaultTolerance:
 
 
 def _local(value: Any) -> Any:
-    """A state with every DTensor replaced by this rank's shard (a copy): what travels to the peer's same rank."""
+    """A state with every DTensor replaced by this rank's shard, on the host: what travels to the peer's same rank.
+
+    Through the host, never a second copy on the device: torchft's HTTP transport sends host memory anyway, and a
+    device clone of every shard (weights and AdamW's two moments: three times the fp32 shards) would have to fit
+    beside the live ones while a peer heals. A host tensor is taken as it is, not copied: torchft serves the state
+    under the lock that ``should_commit`` takes before the optimizer step, so nothing changes it while it is sent."""
     if hasattr(value, "to_local"):
-        return value.to_local().detach().clone()
+        return value.to_local().detach().cpu()
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().cpu()
     if isinstance(value, dict):
         return {k: _local(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -151,8 +156,6 @@ class ReplicaGroups:
         self._trainer: Any = None
         self._strategy: Any = None
         self._joined = False
-        self._overlap = False
-        self._pending: list[Any] = []
         self.committed: bool | None = None  # whether the last step's optimizer step ran (None before any step)
 
     # --- the layout and the data ------------------------------------------------------------------------------
@@ -216,8 +219,6 @@ class ReplicaGroups:
         for module in modules:
             module.set_all_reduce_hook(self._average)
         strategy.precision_plugin.commit = self.commit
-        strategy.precision_plugin.settle = self.settle
-        self._overlap = not strategy.pipelining.enabled  # under pp, backward runs inside the schedule
         self._joined = False
 
     def join(self) -> None:
@@ -251,23 +252,23 @@ class ReplicaGroups:
             self._quorum_open = True
 
     def _average(self, grad: torch.Tensor) -> None:
-        """FSDP's all-reduce hook: the shard's sum over the groups taking part, divided by their number. Without pp
-        it runs while backward goes on (:meth:`settle` waits for it before clipping); under pp, at once."""
-        work = self.manager.allreduce(grad)
-        if self._overlap:
-            self._pending.append(work)
-        else:
-            work.wait()
+        """FSDP's all-reduce hook: the shard's sum over the groups taking part, divided by their number, waited for
+        here, on the stream the hook runs on.
 
-    def settle(self) -> None:
-        """After backward: wait for every average over groups still running (the gradients are final after it)."""
-        pending, self._pending = self._pending, []
-        for work in pending:
-            work.wait()
+        FSDP2 runs this hook on its own all-reduce stream (``_fsdp_collectives.foreach_reduce``, torch 2.11 and 2.13:
+        ``with device_handle.stream(all_reduce_stream): all_reduce_hook(reduce_output)``, then ``post_reduce_stream =
+        all_reduce_stream``) and goes on with the gradient on that stream right after it returns: the dtype cast, ``+=`` into an accumulated gradient, the CPU-offload copy, then the
+        ``post_reduce_event`` the default stream waits on at the end of backward. torchft's ``Manager.allreduce``
+        records the current stream in its ``_ManagedWork``, divides by the number of groups in a callback that runs
+        only at ``wait()``, and its ``wait()`` asserts it is called on that same stream (``_assert_same_stream``).
+        So the wait belongs here: on CUDA it makes FSDP's stream wait for the average (the host goes on, backward's
+        compute still overlaps), and everything FSDP does with the gradient after the hook sees the average; on gloo
+        it blocks this thread until the average is in. Waited anywhere later (the default stream after backward),
+        CUDA raises, and an accumulated or offloaded gradient would take the sum before the division."""
+        self.manager.allreduce(grad).wait()
 
     def commit(self) -> bool:
         """After backward, before the optimizer step: True when every group of the quorum may step."""
-        self.settle()
         self._quorum_open = False
         self.committed = bool(self.manager.should_commit())
         if not self.committed:

@@ -56,7 +56,6 @@ class PrecisionPolicy:
         self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
         self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
         self.commit: Callable[[], bool] | None = None  # fault-tolerant replica groups: may this step commit?
-        self.settle: Callable[[], None] | None = None  # ... and wait for their gradient average after backward
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -91,12 +90,6 @@ class PrecisionPolicy:
 class CuboidPrecision(PrecisionPolicy, Precision):
     """The Trainer's precision plugin for :class:`~cuboid.CuboidStrategy` (see :class:`PrecisionPolicy`), with
     global-norm clipping and the non-finite check."""
-
-    @override
-    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
-        if self.settle is not None:  # the average over replica groups ran beside backward: final before clipping
-            self.settle()
-        return super().post_backward(tensor, module)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

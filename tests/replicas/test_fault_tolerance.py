@@ -82,6 +82,12 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         (out / "start").mkdir()
         calm = _run_groups([{"out": out, "spec": {**base, "name": f"calm{g}", "group": g, "max_steps": DIE_AT + 1,
                                                   "start_with": str(out / "calm")}} for g in (0, 1)])  # fmt: skip
+        accumulated = None
+        if request.param == "dp2":  # two batches per optimizer step: the average over groups taken into the sum
+            (out / "accumulated").mkdir()
+            accumulated = _run_groups([{"out": out, "spec": {
+                **base, "name": f"accumulated{g}", "group": g, "max_steps": 3, "start_with": str(out / "accumulated"),
+                "trainer": {"accumulate_grad_batches": 2}}} for g in (0, 1)])  # fmt: skip
         rejoined, start = str(out / "rejoined"), str(out / "start")
         ckpt = str(out / "ckpt")
         live = {**base, "name": "live0", "group": 0, "max_steps": MAX_STEPS, "slow_after": DIE_AT, "until": rejoined,
@@ -92,7 +98,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         results = _fail_and_rejoin(out, live, dead, again)
     finally:
         lighthouse.shutdown()
-    return {"out": out, "calm": calm, "dp": LAYOUTS[request.param][1], **results}
+    return {"out": out, "calm": calm, "accumulated": accumulated, "dp": LAYOUTS[request.param][1], **results}
 
 
 def test_the_killed_group_dies_at_its_step_and_the_live_group_keeps_its_processes_and_steps_on(runs) -> None:
@@ -198,6 +204,51 @@ def _replay(out: Path, dp: int) -> None:
             name,
             (got[f"model.{name}"] - value).abs().max(),
         )
+
+
+def test_with_accumulated_batches_each_optimizer_step_is_one_process_stepping_on_every_groups_mean(runs) -> None:
+    """``accumulate_grad_batches=2`` in both groups (dp2 inside each): FSDP adds each batch's gradient, averaged
+    over the groups, into the last one's. The average over groups must be in before FSDP adds it: torchft divides by
+    the number of groups only when its work is waited for, so a wait after the hook returns (where Cuboid used to
+    wait) lets FSDP accumulate the sum. One process replays the three optimizer steps (each the mean loss of the
+    eight batches, two per rank) and must end with group 0's weights."""
+    if runs["accumulated"] is None:
+        pytest.skip("run in the dp2 layout only")
+    assert all(r.ok for r in runs["accumulated"]), [r.message() for r in runs["accumulated"] if not r.ok]
+    from parity_lib import ADAMW, TokenDataset, initial_model, step_loss
+
+    out, data = runs["out"], TokenDataset()
+    model = initial_model()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+    records = {(g, rank): _records(out, f"accumulated{g}", rank) for g in (0, 1) for rank in (0, 1)}
+    assert all(len(r) == 6 for r in records.values()), {k: len(v) for k, v in records.items()}
+    for step in range(3):
+        batches = [r["ids"] for rs in records.values() for r in rs[2 * step : 2 * step + 2]]
+        assert all(r["groups"] == 2 and r["committed"] is not False for rs in records.values() for r in rs)
+        opt.zero_grad()
+        torch.stack(
+            [step_loss(model, torch.stack([data[i]["tokens"] for i in ids])) for ids in batches]
+        ).mean().backward()
+        opt.step()
+        decay.step()
+    got = torch.load(out / "accumulated0.pt", weights_only=False)["params"]
+    for name, value in model.state_dict().items():
+        assert torch.allclose(got[f"model.{name}"], value, rtol=0, atol=1e-5), (
+            name,
+            (got[f"model.{name}"] - value).abs().max(),
+        )
+
+
+def test_a_heal_sends_host_copies_of_this_ranks_shards() -> None:
+    """What a live group serves a healing peer is on the host (no second copy of the shards on the device), and a
+    host tensor is served as it is (torchft serves it under the lock ``should_commit`` takes)."""
+    from cuboid.replicas.groups import _local
+
+    weight = torch.ones(3)
+    state = _local({"w": weight, "opt": [{"exp_avg": torch.zeros(2), "step": 3}]})
+    assert state["w"].device.type == "cpu" and state["w"].data_ptr() == weight.data_ptr()
+    assert state["opt"][0]["step"] == 3 and state["opt"][0]["exp_avg"].device.type == "cpu"
 
 
 def test_the_ledger_books_the_average_over_groups_as_the_parameter_shards_bytes(runs) -> None:

@@ -11,7 +11,7 @@ with SIGKILL when that step starts); ``die_ranks`` (only these ranks of the grou
 ``die_in: "backward"`` (they kill themselves just before that step's backward, after its quorum: the other groups
 are then waiting in the step's average over groups); ``slow_after`` and ``until`` (after that step, each step waits 0.5 s while the
 file ``until`` does not exist, at most 120 s in all: the live group steps on, slowly, until the other is back);
-``ckpt`` (a ModelCheckpoint directory, every 4 steps, in every group); ``rejoined`` (rank 0 writes that file once its quorum holds every group); ``start_with`` (a directory: every
+``trainer`` (more Trainer arguments, e.g. ``accumulate_grad_batches``); ``ckpt`` (a ModelCheckpoint directory, every 4 steps, in every group); ``rejoined`` (rank 0 writes that file once its quorum holds every group); ``start_with`` (a directory: every
 rank waits there for every rank of every group before training, so that the groups start in one quorum).
 """
 
@@ -117,6 +117,7 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=bool(spec.get("ckpt")),
         callbacks=callbacks,
+        **spec.get("trainer", {}),
     )
     module = LlamaScheduled()
     trainer.fit(module, DataLoader(IdTokens(), batch_size=2, shuffle=True))
