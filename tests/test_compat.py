@@ -290,6 +290,30 @@ def test_fake_process_group_builds_meshes_in_one_process() -> None:
     assert out.stdout.split() == ["16", "4"]
 
 
+def test_a_named_mesh_view_shares_its_process_group_and_the_root_finds_it_by_name() -> None:
+    """``compat.name_mesh`` gives a 1-D mesh a second name over the same process group (``_flatten`` makes a new
+    group every time, even over the ranks of an existing dim: one more NCCL communicator each), filed on the root
+    mesh so that ``root[name]`` finds it, as a flattened dim (ModelParallelStrategy's ``mesh["data_parallel"]``).
+    Pinned on torch's private ``DeviceMesh`` constructor arguments, ``_layout``, ``_dim_group_names`` and
+    ``_flatten_mapping`` (2.11 and 2.13 lay out a flattened dim differently)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    compat.init_fake_process_group(8)
+    try:
+        mesh = init_device_mesh("cpu", (1, 4, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+        groups = len(dist.distributed_c10d._world.pg_map)
+        named = compat.name_mesh(mesh["dp_shard"], "data_parallel")
+        assert len(dist.distributed_c10d._world.pg_map) == groups  # no new process group
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that slicing a flattened name from the root is deprecated
+            found = mesh["data_parallel"]
+        assert named.mesh_dim_names == found.mesh_dim_names == ("data_parallel",)
+        assert found.get_group() is mesh["dp_shard"].get_group() and found.size() == 4
+        assert found.mesh.tolist() == mesh["dp_shard"].mesh.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
 class _SignalsItself(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -318,6 +318,7 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     flight_recorder_dump,
     flight_recorder_entries,
     init_fake_process_group,
+    name_mesh,
     reduce_scatter_single,
     set_group_timeout,
     start_dtensor_rng,

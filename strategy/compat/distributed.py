@@ -122,6 +122,37 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return mesh._flatten(name)
 
 
+def name_mesh(view: Any, name: str) -> Any:
+    """The 1-D mesh ``view`` under the name ``name``, over ``view``'s own process group, registered on its root mesh
+    as a flattened dim (so that ``root[name]`` finds it): what ``view._flatten(name)`` gives where ``view`` is already
+    the dims to flatten, without the new process group ``_flatten`` makes every time (torch 2.11 and 2.13 dedupe
+    none: each is one more NCCL communicator, made at once where the default group is bound to a device). torch has
+    no public way to name a view; this builds the ``DeviceMesh`` as ``_create_sub_mesh`` does (``_init_backend=False``,
+    the group names copied) and files it where ``_create_flatten_mesh`` files its own (``_flatten_mapping``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if view.ndim != 1:
+        raise ValueError(f"name_mesh takes a 1-D mesh, got {view.ndim} dims ({view.mesh_dim_names})")
+    root = view._get_root_mesh()
+    layout = view._layout  # as _create_flatten_mesh lays out a flattened dim, so that root[name] can slice it
+    if hasattr(layout, "collapse"):  # torch 2.13: _MeshLayout([layout.collapse()])
+        layout = type(layout)([layout.collapse()])
+    else:  # torch 2.11: layout.coalesce(), nested past one mode
+        layout = layout.coalesce()
+        layout = layout.nest() if len(layout) > 1 else layout
+    named = DeviceMesh(
+        view.device_type,
+        _layout=layout,
+        _rank_map=root._rank_map,
+        mesh_dim_names=(name,),
+        _root_mesh=root,
+        _init_backend=False,
+    )
+    named._dim_group_names = list(view._dim_group_names)
+    root._flatten_mapping[name] = named
+    return named
+
+
 def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """A 1-D mesh split into ``len(sizes)`` named dims (``DeviceMesh._unflatten``, torch 2.11 and 2.13; no public
     twin): how a 2-D view whose inner dim is itself flattened (HSDP's ``dp_replicate x dp_shard_cp``) is made without

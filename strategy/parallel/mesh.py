@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from cuboid.compat import flatten_mesh, unflatten_mesh
+from cuboid.compat import flatten_mesh, name_mesh, unflatten_mesh
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = replicas x shards
@@ -136,14 +136,17 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     sampler, loss and metric reduction use. The mesh also answers to Lightning's
     ModelParallelStrategy names, so a ``configure_model`` written for it runs unchanged:
     ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp). Cuboid keeps every flattened view
-    it makes and finds it with :func:`submesh` (torch deprecates looking them up on the root mesh).
+    it makes and finds it with :func:`submesh` (torch deprecates looking them up on the root mesh). A view over the
+    same ranks as a dim or another view shares its process group (:func:`_view`, ``compat.name_mesh``): only HSDP
+    with cp makes groups beyond the five dims' and the flattened ``dp`` and ``dp_shard_cp`` it needs.
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
+    dp = _view(mesh, DP_DIMS, "dp")
     views: dict[str | tuple[str, ...], DeviceMesh] = {
-        "dp": flatten_mesh(mesh[DP_DIMS], "dp"),
-        "dp_shard_cp": flatten_mesh(mesh[SHARD_CP_DIMS], "dp_shard_cp"),
-        "data_parallel": flatten_mesh(mesh[DP_DIMS], "data_parallel"),
-        "tensor_parallel": flatten_mesh(mesh["tp"], "tensor_parallel"),
+        "dp": dp,
+        "dp_shard_cp": _view(mesh, SHARD_CP_DIMS, "dp_shard_cp"),
+        "data_parallel": name_mesh(dp, "data_parallel"),  # the same ranks as dp: its process group, not a new one
+        "tensor_parallel": name_mesh(mesh["tp"], "tensor_parallel"),
     }
     if layout.dp_replicate > 1 and layout.cp > 1:  # HSDP with cp: FSDP's 2-D mesh over replicas x (shards x cp)
         every = flatten_mesh(mesh[(*DP_DIMS, "cp")], "dp_cp")
@@ -151,6 +154,16 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
         views[("dp_replicate", "dp_shard_cp")] = unflatten_mesh(every, sizes, ("dp_replicate", "dp_shard_cp"))
     mesh.cuboid_views = views  # type: ignore[attr-defined]  # the bookkeeping torch asks for, kept on the root
     return mesh, views["dp"]
+
+
+def _view(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """``dims`` as one named 1-D mesh. A new process group (one more NCCL communicator) only where two or more of
+    them span several ranks; otherwise the one dim that does (or the last) answers under the new name, over its
+    own group: ``dp`` is ``dp_shard`` without replicas, ``dp_shard_cp`` is ``dp_shard`` without cp."""
+    spanning = [d for d in dims if mesh[d].size() > 1]
+    if len(spanning) > 1:
+        return flatten_mesh(mesh[dims], name)
+    return name_mesh(mesh[spanning[0] if spanning else dims[-1]], name)
 
 
 def submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:

@@ -221,8 +221,15 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True
-        )
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True,
+            pin_memory=_pin(),
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=_pin())
+
+
+def _pin() -> bool:
+    """Batches in page-locked host memory where a GPU will take them: Lightning then copies them to the device with
+    ``non_blocking=True``, and the copy does not hold up the host (from pageable memory it is synchronous)."""
+    return torch.cuda.is_available()
