@@ -560,26 +560,37 @@ def test_dtensor_rng_tracker_is_the_one_dtensors_dispatcher_reads_and_makes() ->
 
 def test_attention_kernels_return_the_rows_log_sum_exp_and_take_it_back() -> None:
     """The aten ops ``cuboid.context.blocks`` calls (through ``compat.lse_attention``): their schemas as written
-    there (the CUDA ones cannot run here: their argument order is what this pins), and on CPU the values: the
-    output is ``scaled_dot_product_attention``'s (grouped-query heads as they come, causal with a broadcast
-    ``(batch, 1, 1, keys)`` additive mask), the log-sum-exp is that of the scaled scores, and the backward given
-    the output and log-sum-exp gives autograd's gradients."""
+    there (the CUDA ones cannot run here: their argument order and keywords are what this pins), and on CPU the
+    values: the output is ``scaled_dot_product_attention``'s (grouped-query heads as they come, causal, with the
+    padding of a ``(batch, keys)`` mask), the log-sum-exp is that of the scaled scores, and the backward given the
+    output and log-sum-exp gives autograd's gradients."""
     schemas = compat_attention.op_schemas()
     assert (
         "Tensor? attn_mask=None, float? scale=None) -> (Tensor output, Tensor logsumexp)"
         in (schemas["aten::_scaled_dot_product_flash_attention_for_cpu"])
     )
-    assert schemas["aten::_scaled_dot_product_flash_attention"].startswith(
-        "aten::_scaled_dot_product_flash_attention(Tensor query, Tensor key, Tensor value, float dropout_p=0., "
-        "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor output, Tensor "
-        "logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor rng_state, Tensor unused,"
+    assert schemas["aten::_flash_attention_forward"].startswith(
+        "aten::_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, "
+        "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, float? scale=None, "
+        "SymInt? window_size_left=None, SymInt? window_size_right=None, "
     )
-    flash_backward = (
-        "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor cum_seq_q, "
-        "Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, Tensor philox_seed, Tensor "
-        "philox_offset, *, float? scale=None)"
+    assert schemas["aten::_flash_attention_backward"] == (
+        "aten::_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor "
+        "logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, "
+        "Tensor rng_state, Tensor unused, *, float? scale=None, SymInt? window_size_left=None, SymInt? "
+        "window_size_right=None) -> (Tensor, Tensor, Tensor)"
     )
-    assert flash_backward in schemas["aten::_scaled_dot_product_flash_attention_backward"]
+    assert schemas["aten::_efficient_attention_forward"].startswith(
+        "aten::_efficient_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, Tensor? cu_seqlens_q, "
+        "Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float dropout_p, int custom_mask_type, bool "
+        "compute_log_sumexp=False, *, float? scale=None"
+    )
+    assert schemas["aten::_efficient_attention_backward"].startswith(
+        "aten::_efficient_attention_backward(Tensor grad_out_, Tensor query, Tensor key, Tensor value, Tensor? bias, "
+        "Tensor out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor "
+        "logsumexp, float dropout_p, Tensor philox_seed, Tensor philox_offset, int custom_mask_type, bool "
+        "bias_requires_grad, *, float? scale=None"
+    )
     cpu_backward = (
         "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, float dropout_p, "
         "bool is_causal, *, Tensor? attn_mask=None, float? scale=None)"
@@ -590,18 +601,82 @@ def test_attention_kernels_return_the_rows_log_sum_exp_and_take_it_back() -> Non
     k, v = (torch.randn(2, 2, 8, 16, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
     real = torch.ones(2, 8, dtype=torch.bool)
     real[1, 5:] = False
-    bias = torch.zeros(2, 1, 1, 8, dtype=torch.float64).masked_fill(~real[:, None, None, :], float("-inf"))
-    assert compat.lse_kernel(q, masked=True) == "cpu_flash" and compat.lse_kernel(q, True, dropout_p=0.1) is None
-    out, lse, saved = compat.lse_attention("cpu_flash", q, k, v, True, bias, None)
+    assert compat.lse_kernel(q, padded=True) == "cpu_flash" and compat.lse_kernel(q, softcap=True) == "cpu_softcap"
+    with pytest.raises(compat.KernelUnavailable, match="dropout"):
+        compat.lse_kernel(q, dropout_p=0.1)
+    causal = compat.BlockShape(causal=True)
+    out, lse, saved = compat.lse_attention("cpu_flash", q, k, v, causal, real, None)
     mask = real[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0
     assert torch.allclose(out, want, atol=1e-12)
     assert torch.allclose(lse, scores.masked_fill(~mask, float("-inf")).logsumexp(-1), atol=1e-12)
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    got = compat.lse_attention_backward("cpu_flash", grad, q, k, v, out, lse, True, bias, None, saved)
+    got = compat.lse_attention_backward("cpu_flash", grad, q, k, v, out, lse, causal, real, None, saved)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(got, want_grads, strict=True))
+
+
+def test_a_window_is_flash_attentions_own_bottom_right_aligned_left_and_right() -> None:
+    """``compat.window_mask`` states FlashAttention's local window (``_flash_attention_forward``'s
+    ``window_size_left``/``window_size_right``; torch 2.11 and 2.13's ``flash_api.cpp``, FA2's ``mask.h``): row ``i``
+    of ``rows`` sees key ``j`` of ``keys`` when ``i + keys - rows - left <= j <= i + keys - rows + right``."""
+    seen = compat.window_mask(3, 5, 1, 0)  # bottom-right aligned: the last row sees the last key and one before
+    assert seen.int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert compat.window_mask(2, 3, 0, None).int().tolist() == [[0, 1, 1], [0, 0, 1]]
+    assert compat.window_mask(2, 2, None, 0).int().tolist() == [[1, 0], [1, 1]]  # causal
+
+
+def test_soft_capped_blocks_written_out_and_by_recompute_give_autograds_gradients() -> None:
+    """The soft-capped kernels (Gemma 2's ``softcap * tanh(s / softcap)``): on CPU written out with a backward by
+    hand; on CUDA, FlexAttention's forward (its eager form runs here, forward only: its values and its natural-log
+    log-sum-exp) and a backward by recomputing the block under autograd. Both backwards, given the merged output and
+    log-sum-exp of two blocks of keys, sum to autograd's gradients of attention over all the keys."""
+    from cuboid.compat.softcap import _backward_by_recompute, _flex_call, _softcapped, _softcapped_backward
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 8, 16, generator=g, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 16, 16, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    real = torch.ones(2, 16, dtype=torch.bool)
+    real[0, :3] = False
+    cap = 2.0
+    scores = torch.tanh(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0 / cap) * cap
+    seen = real[:, None, None, :] & compat.window_mask(8, 16, None, 0)  # causal, bottom-right: the last 8 keys
+    scores = scores.masked_fill(~seen, float("-inf"))
+    want = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    # two blocks: keys 0..7 every row sees, 8..15 the diagonal
+    blocks = [(0, 8, compat.BlockShape()), (8, 16, compat.BlockShape(causal=True))]
+    parts = [_softcapped(q, k[:, :, a:b], v[:, :, a:b], shape, real[:, a:b], None, cap) for a, b, shape in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part_out for part_out, part_lse in parts)
+    assert torch.allclose(out, want, atol=1e-12)
+    for backward in ("by hand", "by recompute"):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, shape in blocks:
+            block_k, block_v, mine = k[:, :, a:b], v[:, :, a:b], real[:, a:b]
+            if backward == "by hand":
+                got = _softcapped_backward(grad, q, block_k, block_v, out, lse, shape, mine, None, cap)
+            else:
+
+                def forward(q_, k_, v_, shape=shape, mine=mine):
+                    return _softcapped(q_, k_, v_, shape, mine, None, cap)
+
+                got = _backward_by_recompute(forward, grad, q, block_k, block_v, out, lse)
+            dq += got[0]
+            dk[:, :, a:b] += got[1]
+            dv[:, :, a:b] += got[2]
+        for name, a, b in zip("qkv", (dq, dk, dv), want_grads, strict=True):
+            assert torch.allclose(a, b, atol=1e-10), (backward, name, (a - b).abs().max())
+    with torch.no_grad():  # FlexAttention's eager forward (no backward on CPU): the same block, the same log-sum-exp
+        q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+        shape = compat.BlockShape(causal=True)
+        flex_out, flex_lse = _flex_call(
+            q32, k32[:, :, 8:], v32[:, :, 8:], shape, real[:, 8:], None, cap, compiled=False
+        )
+        mine_out, mine_lse = _softcapped(q32, k32[:, :, 8:], v32[:, :, 8:], shape, real[:, 8:], None, cap)
+    assert torch.allclose(flex_out, mine_out, atol=1e-5) and torch.allclose(flex_lse, mine_lse, atol=1e-5)
 
 
 def test_single_tensor_collectives_take_the_names_this_torch_does_not_deprecate() -> None:

@@ -302,7 +302,17 @@ def layer_sync(strategy: Any) -> Any:
 
 
 # --- attention kernels with their log-sum-exp: cuboid/compat/attention.py ---------------------------------------
-from cuboid.compat.attention import lse_attention, lse_attention_backward, lse_kernel  # noqa: E402, F401
+from cuboid.compat.attention import (  # noqa: E402, F401
+    BlockShape,
+    KernelUnavailable,
+    lse_attention,
+    lse_attention_backward,
+    lse_kernel,
+    window_mask,
+)
+
+# --- CUDA kernels' preconditions, checked on CPU: cuboid/compat/contracts.py ---------------------------------------
+from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401
 
 # --- litdata's StreamingDataset, Lightning's seeding of DataLoader workers: cuboid/compat/data.py --------------------
 from cuboid.compat.data import deal_over_data_parallel, seed_workers_by_data_rank  # noqa: E402, F401

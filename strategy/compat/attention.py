@@ -1,47 +1,163 @@
 """Attention kernels that also return each row's log-sum-exp, which ``F.scaled_dot_product_attention`` keeps to
-itself: what merging attention over blocks of keys needs (context parallel's causal blocks,
-``cuboid.context.blocks``). torch's own ring attention (``torch.distributed.tensor.experimental``) calls the same
-aten ops; no public API returns the log-sum-exp. Pinned in ``tests/test_compat.py`` (the schemas of every op used
-here, and the CPU kernel's values against ``scaled_dot_product_attention``).
+itself: what merging attention over blocks of keys needs (context parallel's blocks, ``cuboid.context.blocks``).
+torch's own ring attention calls the same aten ops; no public API returns the log-sum-exp. Pinned in
+``tests/test_compat.py`` (every op's schema, the CPU kernels' values against autograd) and checked on CPU against
+the CUDA kernels' own preconditions by :mod:`cuboid.compat.contracts`.
 
-Two kernels:
+Everything above the kernel call is the same on every device: the caller hands each block's rows, keys and values,
+its shape (:class:`BlockShape`: causal on the diagonal, a sliding window, the window's visible keys), and which of its
+keys are real (padding); the kernel returns ``(out, lse, saved)`` and, given the *merged* output and log-sum-exp of
+the whole row, the block's gradients (FlashAttention's own backward, block by block). Only the call differs:
 
-- ``"cpu_flash"`` (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward): any float dtype,
-  grouped-query heads as they come, ``is_causal`` and an additive mask broadcast from ``(batch, 1, 1, keys)``.
-  A row whose keys are all masked comes back as zeros with a log-sum-exp of 0 (the caller overrides that).
-- ``"cuda_flash"`` (``aten._scaled_dot_product_flash_attention`` and its backward, FlashAttention-2): bf16 and
-  fp16 on CUDA, head dims up to 256 in multiples of 8, grouped-query heads as they come, ``is_causal``, no mask.
+- ``"cpu_flash"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward. Any float dtype,
+  grouped-query heads as they come, the window and the padding as one additive mask of the block's own
+  (``(batch, 1, rows, keys)`` at most).
+- ``"cuda_flash"``: ``aten._flash_attention_forward`` / ``_flash_attention_backward`` (FlashAttention-2, bf16 and
+  fp16, head dims up to 256 in multiples of 8, grouped-query heads as they come), the window as FlashAttention's own
+  ``window_size_left`` / ``window_size_right`` (bottom-right aligned, as :class:`BlockShape` states it). It takes no
+  mask: a batch with padding takes ``cuda_efficient``. Chosen where torch's ``scaled_dot_product_attention`` would
+  choose flash (torch 2.11's ``sdp_utils.cpp``: no mask, fp16/bf16, head dim at most 256).
+- ``"cuda_efficient"``: ``aten._efficient_attention_forward`` / ``_efficient_attention_backward`` (the memory-efficient
+  kernel: fp32 too, any head dim in multiples of 8, or 4 in fp32), with the block's own small bias (the padding, and
+  the window where there is one) laid out as the kernel wants it (exact ``(batch, heads, rows, keys)`` sizes by
+  ``expand``, rows padded to a multiple of 8); grouped-query keys repeated to one per query head for the block
+  (torch 2.11 and 2.13's kernel takes equal head counts only). What ``scaled_dot_product_attention`` picks for a mask
+  or fp32.
+- ``"cpu_softcap"`` / ``"cuda_flex"``: soft-capped scores (Gemma 2's ``softcap * tanh(scores / softcap)``), which no
+  flash or memory-efficient kernel of torch computes. On CPU, written out for the block (``rows x keys`` scores) with
+  its backward by hand; on CUDA, FlexAttention compiled (a fused kernel) with the soft-cap as its ``score_mod``, its
+  backward by recomputing the block under autograd with the gradients of its output and log-sum-exp that the merge
+  gives (:func:`_backward_by_recompute`, checked on CPU with the written-out forward).
 
-Both kernels take the log-sum-exp of the *whole* row back in their backward (with the merged output): each block's
-gradients are then its share of the whole attention's, as in FlashAttention's own backward.
+Dropout in attention has no kernel here on any device (the CPU kernel has none; a block-by-block dropout would need
+each block's mask again in the backward): the caller refuses it, by name.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from cuboid.compat.softcap import (
+    _backward_by_recompute,
+    _flex_call,
+    _per_kv_head,
+    _per_query_head,
+    _softcapped,
+    _softcapped_backward,
+)
+
 aten = torch.ops.aten
+KERNELS = ("cpu_flash", "cpu_softcap", "cuda_flash", "cuda_efficient", "cuda_flex")
+INF = float("inf")
 
 
-def lse_kernel(query: torch.Tensor, masked: bool, dropout_p: float = 0.0) -> str | None:
-    """The kernel that runs attention blocks of ``query``'s device and dtype with their log-sum-exp (``masked``:
-    an additive key mask is needed), or None where there is none (the caller falls back to one masked call)."""
+class KernelUnavailable(ValueError):
+    """No fused kernel computes this attention on this device; the message says why (the caller says what to do)."""
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What of a block of keys its rows see, beside the padding. ``causal``: the diagonal block (rows and keys the
+    same span), each row its own key and the ones before. ``window``: ``(left, right)`` as FlashAttention states a
+    local window, bottom-right aligned: row ``i`` of ``rows`` sees key ``j`` of ``keys`` when ``i + keys - rows - left
+    <= j <= i + keys - rows + right`` (``None``: no bound on that side). ``visible``: that window as a ``(rows, keys)``
+    boolean mask, made once for the plan (the kernels that take a mask read it; the caller finds rows that see no key
+    with it)."""
+
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    visible: torch.Tensor | None = None
+
+
+def window_mask(rows: int, keys: int, left: int | None, right: int | None, device: Any = None) -> torch.Tensor:
+    """``(rows, keys)``, true where row ``i`` sees key ``j`` under a bottom-right aligned window (:class:`BlockShape`)."""
+    offset = torch.arange(keys, device=device)[None, :] - torch.arange(rows, device=device)[:, None] - (keys - rows)
+    seen = torch.ones(rows, keys, dtype=torch.bool, device=device)
+    if left is not None:
+        seen &= offset >= -left
+    if right is not None:
+        seen &= offset <= right
+    return seen
+
+
+def lse_kernel(query: torch.Tensor, padded: bool = False, softcap: bool = False, dropout_p: float = 0.0) -> str:
+    """The kernel that runs attention blocks of ``query``'s device, dtype and head dim with their log-sum-exp
+    (``padded``: some keys are padding; ``softcap``: soft-capped scores), or :class:`KernelUnavailable` naming why
+    there is none."""
     if dropout_p:
-        return None
-    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return "cpu_flash"
-    head_dim = query.shape[-1]
-    if (
-        query.device.type == "cuda"
-        and not masked
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and head_dim <= 256
-        and head_dim % 8 == 0
-    ):
+        raise KernelUnavailable(
+            f"attention dropout (dropout_p={dropout_p}) has no block kernel that returns the log-sum-exp on any device "
+            "(torch's CPU kernel takes none, and a dropout mask per block would have to be made again in the backward)"
+        )
+    device, dtype, head_dim = query.device.type, query.dtype, query.shape[-1]
+    if device == "cpu":
+        if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise KernelUnavailable(f"{dtype} attention on CPU: torch's CPU flash kernel takes float dtypes only")
+        return "cpu_softcap" if softcap else "cpu_flash"
+    if device != "cuda":
+        raise KernelUnavailable(f"no attention kernel that returns the log-sum-exp is known for {device} devices")
+    if softcap:
+        return "cuda_flex"
+    half = dtype in (torch.bfloat16, torch.float16)
+    if half and not padded and head_dim <= 256 and head_dim % 8 == 0:
         return "cuda_flash"
-    return None
+    if (half and head_dim % 8 == 0) or (dtype == torch.float32 and head_dim % 4 == 0):
+        return "cuda_efficient"
+    raise KernelUnavailable(
+        f"{dtype} attention with head dim {head_dim} on CUDA: FlashAttention takes bf16/fp16 with a head dim of at most "
+        "256 in multiples of 8, the memory-efficient kernel bf16/fp16/fp32 with a head dim in multiples of 8 (4 in "
+        "fp32), and torch's math kernel returns no log-sum-exp"
+    )
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """``(batch, heads, tokens, dim)`` -> the ``(batch, tokens, heads, dim)`` view the CUDA kernels take."""
+    return t.transpose(1, 2)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _additive(shape: BlockShape, real: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The block's window and padding as an additive mask: ``(batch, 1, rows or 1, keys)``, or ``(rows, keys)``
+    without padding; None without either."""
+    window = None if shape.visible is None else _window_bias(shape.visible, dtype)
+    if real is None:
+        return window
+    pad = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill(~real, -INF)[:, None, None, :]
+    return pad if window is None else pad + window
+
+
+@functools.lru_cache(maxsize=64)
+def _window_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A window's visible keys as an additive ``(rows, keys)`` mask, made once per plan and dtype (not written to)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, -INF)
+
+
+def _efficient_bias(shape: BlockShape, real: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """The memory-efficient kernel's ``attn_bias`` for a block: exact ``(batch, heads, rows, keys)`` sizes (broadcast
+    dims by ``expand``: stride 0), the query's dtype, its own storage (16-byte aligned) with the last dim contiguous
+    and every other stride a multiple of 8 (rows padded to a multiple of 8 keys), as ``_efficient_attention_forward``
+    checks (torch 2.11, 2.13: ``attention.cu``, ``kernel_forward.h`` ``check_supported``)."""
+    if real is None and shape.visible is None:
+        return None
+    batch, heads, rows = query.shape[:3]
+    keys = real.shape[-1] if real is not None else shape.visible.shape[-1]  # type: ignore[union-attr]
+    bias = torch.zeros(
+        real.shape[0] if real is not None else 1, 1, rows if shape.visible is not None else 1, _round_up(keys, 8),
+        dtype=query.dtype, device=query.device,
+    )  # fmt: skip
+    part = bias[..., :keys]
+    if shape.visible is not None:
+        part.masked_fill_(~shape.visible, -INF)
+    if real is not None:
+        part.masked_fill_(~real[:, None, None, :], -INF)
+    return part.expand(batch, heads, rows, keys)
 
 
 def lse_attention(
@@ -49,23 +165,49 @@ def lse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    is_causal: bool,
-    mask: torch.Tensor | None,
+    shape: BlockShape,
+    real: torch.Tensor | None,
     scale: float | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """``(out, lse, saved)``: attention of ``query`` over ``key``/``value`` (``(batch, heads, tokens, head_dim)``),
-    each row's log-sum-exp ``(batch, heads, q_tokens)`` (float32, or float64 for float64 inputs), and what :func:`lse_attention_backward` needs."""
+    """``(out, lse, saved)``: attention of ``query`` over ``key``/``value`` (``(batch, heads, tokens, head_dim)``; fewer
+    key/value heads for grouped-query attention) within ``shape``, the keys where ``real`` (``(batch, keys)``) is false
+    left out; each row's log-sum-exp ``(batch, heads, rows)`` (float32, or float64 for float64 inputs) and what
+    :func:`lse_attention_backward` needs. A row that sees no key has an output of zeros and a log-sum-exp the caller
+    overrides (each kernel writes its own: 0, or +inf)."""
+    rows = query.shape[2]
     if kernel == "cpu_flash":
+        mask = _additive(shape, real, rows, query.dtype)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
+            query, key, value, 0.0, shape.causal, attn_mask=mask, scale=scale
         )
         return out, lse, ()
     if kernel == "cuda_flash":
-        assert mask is None, "cuda_flash takes no mask"
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            query, key, value, 0.0, is_causal, False, scale=scale
-        )
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+        if real is not None:
+            raise ValueError("cuda_flash takes no padding mask: lse_kernel gives cuda_efficient for one")
+        left, right = shape.window or (None, None)
+        out, lse, rng, unused, _ = aten._flash_attention_forward(
+            _bshd(query), _bshd(key), _bshd(value), None, None, rows, key.shape[2], 0.0, shape.causal, False,
+            scale=scale, window_size_left=left, window_size_right=right,
+        )  # fmt: skip
+        return out.transpose(1, 2), lse, (rng, unused)
+    if kernel == "cuda_efficient":
+        heads = query.shape[1]
+        bias = _efficient_bias(shape, real, query)
+        k, v = _per_query_head(key, heads), _per_query_head(value, heads)
+        out, lse, seed, offset, _, _ = aten._efficient_attention_forward(
+            _bshd(query), _bshd(k), _bshd(v), bias, None, None, rows, k.shape[2], 0.0, int(shape.causal), True,
+            scale=scale,
+        )  # fmt: skip
+        return out.transpose(1, 2), lse[..., :rows], (seed, offset)
+    if kernel == "cpu_softcap":
+        assert softcap is not None
+        out, lse = _softcapped(query, key, value, shape, real, scale, softcap)
+        return out, lse, ()
+    if kernel == "cuda_flex":
+        assert softcap is not None
+        out, lse = _flex_call(query, key, value, shape, real, scale, softcap)
+        return out, lse, ()
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -77,22 +219,53 @@ def lse_attention_backward(
     value: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    is_causal: bool,
-    mask: torch.Tensor | None,
+    shape: BlockShape,
+    real: torch.Tensor | None,
     scale: float | None,
     saved: tuple,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``query``, ``key`` and ``value`` for one block, given the whole row's ``out`` and ``lse``."""
+    """The gradients of ``query``, ``key`` and ``value`` for one block, given the whole row's ``out`` and ``lse``
+    (``(batch, heads, rows)``, contiguous, float32: FlashAttention's backward reads it through its raw pointer)."""
+    rows = query.shape[2]
     if kernel == "cpu_flash":
+        mask = _additive(shape, real, rows, query.dtype)
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+            grad_out, query, key, value, out, lse, 0.0, shape.causal, attn_mask=mask, scale=scale
         )
     if kernel == "cuda_flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = saved
-        return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset,
-            scale=scale,
+        rng, unused = saved
+        left, right = shape.window or (None, None)
+        dq, dk, dv = aten._flash_attention_backward(
+            _bshd(grad_out), _bshd(query), _bshd(key), _bshd(value), _bshd(out), lse, None, None, rows, key.shape[2],
+            0.0, shape.causal, rng, unused, scale=scale, window_size_left=left, window_size_right=right,
         )  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    if kernel == "cuda_efficient":
+        seed, offset = saved
+        heads = query.shape[1]
+        bias = _efficient_bias(shape, real, query)
+        k, v = _per_query_head(key, heads), _per_query_head(value, heads)
+        # the kernel reads its log-sum-exp padded to 32 rows (+inf past the rows), and ``out`` as a (batch, rows,
+        # heads, dim) buffer of its own (a row stride of heads x dim, not checked: kernel_backward.h ``o_strideM``)
+        padded = lse.new_full((*lse.shape[:2], _round_up(rows, 32)), INF)
+        padded[..., :rows] = lse
+        dq, dk, dv, _ = aten._efficient_attention_backward(
+            _bshd(grad_out), _bshd(query), _bshd(k), _bshd(v), bias, _bshd(out).contiguous(), None, None, rows,
+            k.shape[2], padded, 0.0, seed, offset, int(shape.causal), False, scale=scale,
+        )  # fmt: skip
+        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq.transpose(1, 2), _per_kv_head(dk, key.shape[1]), _per_kv_head(dv, value.shape[1])
+    if kernel == "cpu_softcap":
+        assert softcap is not None
+        return _softcapped_backward(grad_out, query, key, value, out, lse, shape, real, scale, softcap)
+    if kernel == "cuda_flex":
+        assert softcap is not None
+
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _flex_call(q, k, v, shape, real, scale, softcap)
+
+        return _backward_by_recompute(forward, grad_out, query, key, value, out, lse)
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -101,7 +274,9 @@ def op_schemas() -> dict[str, Any]:
     ops = (
         aten._scaled_dot_product_flash_attention_for_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_flash_attention_backward,
+        aten._flash_attention_forward,
+        aten._flash_attention_backward,
+        aten._efficient_attention_forward,
+        aten._efficient_attention_backward,
     )
     return {op.default._schema.name: str(op.default._schema) for op in ops}

@@ -5,11 +5,12 @@ A sequence of ``S`` tokens is cut into ``2 x cp`` equal chunks; cp rank ``i`` ho
 the triangle alone). Attention over the whole sequence is exact: each rank gathers every rank's keys and values
 over the cp group (one ``all_gather_into_tensor`` in forward, of the model's own key/value heads: a grouped-query
 model's are not repeated first; its backward sums each chunk's key and value gradients back to the rank that holds
-it with one ``reduce_scatter_tensor``, half an all-reduce's bytes), and masks by the tokens' *global* positions. Equal to full attention up to float32 round-off
-(``tests/parallel/test_context.py``).
+it with one ``reduce_scatter_tensor``, half an all-reduce's bytes), and masks by the tokens' *global* positions, block by block (:mod:`cuboid.context.blocks`). Equal to full attention up
+to float32 round-off (``tests/context/test_context_parallel.py``).
 
-This is the CPU/gloo path; torch's ring attention (``context_parallel``) is the GPU fast path.
-:func:`gather_tokens` brings per-token values (a loss before its reduction) back in global order.
+One path on every device: only the fused kernel each block calls differs (:func:`cuboid.compat.lse_kernel`: CPU's
+flash kernel, FlashAttention-2 or the memory-efficient kernel on a GPU), and a case no kernel computes is refused by
+name. :func:`gather_tokens` brings per-token values (a loss before its reduction) back in global order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cuboid import compat
 from cuboid.context.blocks import block_attention
@@ -166,7 +166,8 @@ def cp_attention(
     sink: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Exact attention of this rank's queries over every rank's keys and values.
+    """Exact attention of this rank's queries over every rank's keys and values, by blocks
+    (:mod:`cuboid.context.blocks`: no ``Lq x S`` tensor on any device, half the causal work).
 
     ``query``, ``key``, ``value``: ``(batch, heads, local_tokens, head_dim)``, this rank's load-balanced share of a
     sequence of ``seq_len`` tokens (``key``/``value`` may have fewer heads with ``enable_gqa``). The mask is
@@ -175,95 +176,55 @@ def cp_attention(
     sliding window (transformers' ``sliding_window``: a query at ``q`` sees the keys ``q - window < k <= q``); one
     that covers the whole sequence changes nothing and is dropped. ``sink``: an attention sink's logit per query
     head (``(heads,)``: GPT-OSS's ``sinks``), one more key of value zero in every row's softmax. ``softcap``: the
-    scores soft-capped before the softmax (``softcap * tanh(scores / softcap)``, Gemma 2's), computed as written
-    (no fused kernel computes it; an ``Lq x S`` score matrix).
-
-    Where the device has a kernel that returns its log-sum-exp (CPU; CUDA in bf16/fp16 without padding) and there
-    is no dropout, this runs by blocks (:mod:`cuboid.context.blocks`: no ``Lq x S`` mask, half the causal work);
-    elsewhere by one masked call.
+    scores soft-capped before the softmax (``softcap * tanh(scores / softcap)``, Gemma 2's). A case no kernel of
+    this device computes with its log-sum-exp (attention dropout, an unsupported dtype or head dim) is a
+    :class:`ContextParallelError` that names it.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     window = _window(window, seq_len, is_causal, cp)
-    kernel = compat.lse_kernel(query, masked=key_padding is not None or window is not None, dropout_p=dropout_p)
-    if kernel is not None and softcap is None:  # by blocks: no Lq x S mask (cuboid.context.blocks)
-        chunks = chunk_ids(rank, cp)
-        return block_attention(query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window, sink)
-    # One masked call over the gathered keys: dropout, or a device and dtype without a kernel that returns its
-    # log-sum-exp (CUDA in float32, or with padding).
-    keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
-    mask = None
-    k_pos = _gathered_positions(seq_len, cp, query.device)
-    if is_causal:
-        q_pos = local_positions(seq_len, rank, cp, query.device)
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        if window is not None:
-            mask &= q_pos.unsqueeze(1) - k_pos.unsqueeze(0) < window
-    if key_padding is not None:
-        real = key_padding.to(query.device, torch.bool).index_select(1, k_pos)[:, None, None, :]
-        mask = real if mask is None else mask & real
-    if softcap is not None:
-        return _written_out(query, keys, values, mask, scale, dropout_p, sink, softcap)
-    if sink is not None:
-        return _with_sink(query, keys, values, mask, sink, scale, dropout_p)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa, dropout_p=dropout_p
+    kernel = attention_kernel(query, cp, key_padding is not None, softcap is not None, dropout_p)
+    chunks = chunk_ids(rank, cp)
+    return block_attention(
+        query, key, value, group, chunks, is_causal, scale, kernel, key_padding, window, sink, softcap
     )
 
 
-def _per_query_head(keys: torch.Tensor, values: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query keys and values repeated to one per query head (as ``enable_gqa`` would), where they are fewer."""
-    if keys.shape[1] == heads:
-        return keys, values
-    return keys.repeat_interleave(heads // keys.shape[1], dim=1), values.repeat_interleave(heads // values.shape[1], 1)
+def attention_kernel(query: torch.Tensor, cp: int, padded: bool, softcap: bool, dropout_p: float = 0.0) -> str:
+    """The block kernel for ``query`` (:func:`cuboid.compat.lse_kernel`), or a :class:`ContextParallelError` that says
+    why there is none and what to do."""
+    try:
+        return compat.lse_kernel(query, padded=padded, softcap=softcap, dropout_p=dropout_p)
+    except compat.KernelUnavailable as err:
+        raise ContextParallelError(
+            f"context_parallel={cp} cannot split this attention: {err}. Cuboid's context-parallel attention runs by "
+            "blocks merged by their log-sum-exp, on every device. Train without attention dropout "
+            "(attention_dropout=0.0), in bf16-mixed or fp32 with a head dim in multiples of 8, or use "
+            "context_parallel=1."
+        ) from None
 
 
-def _with_sink(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    sink: torch.Tensor,
-    scale: float | None,
-    dropout_p: float,
-) -> torch.Tensor:
-    """The one masked call with an attention sink: one more key, all zeros, whose additive mask is the sink's logit
-    per head (its score ``q . 0 + sink``) and whose value is zero; the sink's gradient flows through that mask."""
-    batch, heads, rows = query.shape[:3]
-    keys, values = _per_query_head(keys, values, heads)  # the extra key is per query head
-    zero = keys.new_zeros((batch, heads, 1, keys.shape[-1]))
-    keys, values = torch.cat([keys, zero], 2), torch.cat([values, zero.expand(-1, -1, -1, values.shape[-1])], 2)
-    bias = torch.zeros((batch, heads, rows, keys.shape[2] - 1), dtype=query.dtype, device=query.device)
-    if mask is not None:
-        bias = bias.masked_fill(~mask, float("-inf"))
-    column = sink.to(query.dtype).view(1, heads, 1, 1).expand(batch, heads, rows, 1)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=torch.cat([bias, column], -1), scale=scale, dropout_p=dropout_p
-    )
-
-
-def _written_out(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float | None,
-    dropout_p: float,
-    sink: torch.Tensor | None,
-    softcap: float,
-) -> torch.Tensor:
-    """Attention as transformers' eager function writes it, for soft-capped scores: ``q k^T`` scaled, soft-capped,
-    masked (the dtype's minimum, as transformers' masks hold), a sink's column if any, softmax in float32."""
-    heads = query.shape[1]
-    keys, values = _per_query_head(keys, values, heads)
-    scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    if sink is not None:
-        scores = torch.cat([scores, sink.to(scores.dtype).view(1, heads, 1, 1).expand(*scores.shape[:3], 1)], -1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if sink is not None:
-        probs = probs[..., :-1]
-    if dropout_p:
-        probs = F.dropout(probs, p=dropout_p)
-    return probs @ values
+def check_attention(model: Any, cp: int) -> None:
+    """Refuse at setup, by name, what no block kernel computes on any device (each kernel returns its blocks'
+    log-sum-exp: :func:`cuboid.compat.lse_kernel`): attention dropout, and a head dim not in multiples of 8, from a
+    transformers config or Cuboid's own (``cfg``). The first step checks the rest (dtype, device)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
+    head_dim = getattr(text, "head_dim", None)
+    if text is not None and head_dim is None and getattr(text, "num_attention_heads", None):
+        head_dim = text.hidden_size // text.num_attention_heads
+    if head_dim is None:
+        head_dim = getattr(getattr(model, "cfg", None), "head_dim", None)
+    if dropout:
+        raise ContextParallelError(
+            f"context_parallel={cp} cannot split {type(model).__name__}: its attention_dropout={dropout} has no block "
+            "kernel that returns the log-sum-exp on any device (torch's CPU kernel takes no dropout, and a dropout "
+            "mask per block would have to be made again in the backward). Set config.attention_dropout=0.0 (what "
+            "LLM training uses), or use context_parallel=1."
+        )
+    if isinstance(head_dim, int) and head_dim % 8:
+        raise ContextParallelError(
+            f"context_parallel={cp} cannot split {type(model).__name__}: its head dim {head_dim} is not a multiple of "
+            "8, which FlashAttention and the memory-efficient kernel need for the blocks Cuboid runs on a GPU (the "
+            "CPU would run it, but no GPU could). Use a head dim in multiples of 8, or context_parallel=1."
+        )

@@ -14,16 +14,20 @@ while one layer's attention runs, not from its forward to its backward (saved ac
 price is a second all-gather per layer). Their gradients go back to the ranks that hold them with one
 reduce-scatter.
 
-Padding (a ``(batch, S)`` ``attention_mask``): an additive ``(batch, 1, 1, keys)`` mask broadcast over heads and
-queries, sliced per block: ``batch x S`` values, never ``Lq x S``. A row whose keys in a block are all padding
-(left padding, or a padding query) gets a log-sum-exp of ``-inf`` there, so the merge gives it no weight; a row
-with no real key at all comes out as zeros, as ``scaled_dot_product_attention`` gives it. Right padding, the usual
-one for training, needs no mask for the real tokens at all: causal attention never reaches a later padding key.
+Padding (a ``(batch, S)`` ``attention_mask``): each block is handed its keys' share of it (``batch x keys``
+booleans, never ``Lq x S``) and its kernel applies it (a block's own small additive mask on CPU, the
+memory-efficient kernel's bias on a GPU). A row whose keys in a block are all padding (left padding, or a padding
+query) gets a log-sum-exp of ``-inf`` there, so the merge gives it no weight; a row with no real key at all comes
+out as zeros, as ``scaled_dot_product_attention`` gives it.
 
 A sliding window ``w`` shorter than the sequence (a query at ``q`` sees the keys ``q - w < k <= q``, transformers'
 ``sliding_window``) cuts each query chunk's keys into the blocks every row sees whole (no mask), one block at the
-window's lower edge and the diagonal (each with a ``chunk x chunk`` mask at most), and none outside the window.
-These masks need a kernel that takes one (CPU's); elsewhere the caller makes the one masked call.
+window's lower edge and the diagonal, and none outside the window. A windowed block is stated as FlashAttention's
+own ``(left, right)`` window, which a GPU's flash kernel takes as it is and the other kernels as a ``rows x keys``
+mask made once for the plan (``chunk x (chunk + w - 1)`` at most, a window no longer than a chunk being one block).
+
+Above the kernel call everything here is the same on every device: the plan, the slices, the merges, the rows that
+see no key, the exchange. :func:`cuboid.compat.lse_kernel` picks the kernel for the device, dtype and case.
 
 An attention sink (a learned logit per head that joins every row's softmax with a value of zero: GPT-OSS) is one
 more block merged last, its log-sum-exp the sink's logit and its output zero. The blocks' backward then sees the
@@ -41,9 +45,8 @@ import torch.distributed as dist
 
 from cuboid import compat
 
-# (first key, end key, causal, visible): ``visible`` (rows x keys, bool), where a sliding window cuts the block;
-# then ``causal`` is False (the mask holds it).
-Block = tuple[int, int, bool, "torch.Tensor | None"]
+# (first key, end key, what its rows see of it beside the padding)
+Block = tuple[int, int, compat.BlockShape]
 
 
 def _chunk_order(cp: int) -> list[tuple[int, int]]:
@@ -86,60 +89,59 @@ def plan_blocks(
     chunks: tuple[int, int], chunk: int, seq_len: int, is_causal: bool, window: int | None = None,
     device: torch.device | None = None,
 ) -> list[list[Block]]:  # fmt: skip
-    """For each of this rank's two query chunks, the key blocks it attends to (``window``: causal sliding window).
+    """For each of this rank's two query chunks, the key blocks it attends to (``window``: causal sliding window, a
+    query at ``q`` seeing the keys ``q - window < k <= q``). Every block is one FlashAttention call on a GPU: a
+    windowed block is stated as FlashAttention's own bottom-right aligned ``(left, right)`` window
+    (:class:`cuboid.compat.BlockShape`), which is why a window longer than a chunk starts its edge block one key
+    into the keys every row sees (a block whose lowest row's edge falls below its first key cannot be stated so).
     Cached: the masks it holds are shared by every call with the same arguments and must not be written to."""
-    if not is_causal:
-        return [[(0, seq_len, False, None)] for _ in chunks]
-    if window is None or window >= seq_len:
-        return [
-            ([(0, g * chunk, False, None)] if g else []) + [(g * chunk, (g + 1) * chunk, True, None)] for g in chunks
-        ]
+    if not is_causal:  # every key, a chunk at a time: no kernel makes a rows x (whole sequence) tensor
+        return [[(j * chunk, (j + 1) * chunk, compat.BlockShape()) for j in range(seq_len // chunk)] for _ in chunks]
     plans = []
     for g in chunks:
         first, end = g * chunk, (g + 1) * chunk
-        whole = max(0, end - window)  # keys from here to the diagonal: every row of the chunk sees them
-        edge = max(0, first - window + 1)  # the first key the chunk's first row sees
-        rows = torch.arange(first, end, device=device)[:, None]
-
-        def visible(start: int, stop: int, rows: torch.Tensor = rows) -> torch.Tensor:
-            keys = torch.arange(start, stop, device=device)[None, :]
-            return (keys <= rows) & (rows - keys < window)
-
+        whole = end - window if window is not None else -1  # below ``whole + 1`` a row of the chunk misses a key
         blocks: list[Block] = []
-        if whole < first:
-            blocks.append((whole, first, False, None))
-        if edge < min(whole, first):
-            blocks.append((edge, min(whole, first), False, visible(edge, min(whole, first))))
-        blocks.append((first, end, True, None) if window >= chunk else (first, end, False, visible(first, end)))
+        if window is not None and window <= chunk:  # one block: the window's keys of the whole chunk
+            start = max(0, first - window + 1)
+            blocks.append((start, end, _windowed(chunk, end - start, window - 1, 0, device)))
+        else:
+            if whole >= 0:  # the window's lower edge: row i sees the block's keys from its i-th on
+                start = max(0, first - window + 1)  # type: ignore[operator]
+                blocks.append((start, whole + 1, _windowed(chunk, whole + 1 - start, 0, window - 1, device)))  # type: ignore[operator]
+            if max(whole + 1, 0) < first:  # every row sees these whole
+                blocks.append((max(whole + 1, 0), first, compat.BlockShape()))
+            blocks.append((first, end, compat.BlockShape(causal=True)))
         plans.append(blocks)
     return plans
 
 
-def _dead(real: torch.Tensor | None, block: Block) -> torch.Tensor | None:
+def _windowed(rows: int, keys: int, left: int, right: int, device: torch.device | None) -> compat.BlockShape:
+    return compat.BlockShape(window=(left, right), visible=compat.window_mask(rows, keys, left, right, device))
+
+
+def _dead(real: torch.Tensor | None, block: Block, rows: int) -> torch.Tensor | None:
     """Rows with no visible real key in ``block`` (their log-sum-exp there becomes ``-inf``): ``(batch, 1, 1)`` for
     a whole block, ``(batch, 1, rows)`` for a causal or windowed one (causal: row ``j`` sees the block's keys
     ``0 .. j``); None when every row sees one."""
-    start, end, causal, visible = block
-    if visible is not None:
-        seen = visible[None] if real is None else visible[None] & real[:, None, start:end]
+    start, end, shape = block
+    if shape.visible is not None:
+        seen = shape.visible[None] if real is None else shape.visible[None] & real[:, None, start:end]
         return ~seen.any(-1)[:, None, :]
     if real is None:
         return None
     keys = real[:, start:end]
-    if causal:
+    if shape.causal:
         return (keys.cumsum(-1) == 0)[:, None, :]
     return ~keys.any(-1)[:, None, None]
 
 
-def _mask(bias: torch.Tensor | None, block: Block, dtype: torch.dtype) -> torch.Tensor | None:
-    """The additive mask of ``block``: the padding's keys (``(batch, 1, 1, keys)``) and the window's
-    (``(rows, keys)``), or None."""
-    start, end, _, visible = block
-    pad = bias[..., start:end] if bias is not None else None
-    if visible is None:
-        return pad
-    window = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    return window if pad is None else pad + window
+def _own(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``rows`` of ``tensor`` (along dim 2) as a tensor of their own. Each kernel's backward takes its rows' output
+    gradient, output and log-sum-exp so: FlashAttention's reads the log-sum-exp through its raw pointer as a
+    contiguous ``(batch, heads, rows)`` tensor, and a slice of the whole ``(batch, heads, 2 chunk)`` one is not (every
+    row but the first would read another row's; :mod:`cuboid.compat.contracts`)."""
+    return tensor[:, :, rows].contiguous()
 
 
 def _merge(
@@ -175,23 +177,23 @@ class _Blocks(torch.autograd.Function):
         plan: list[list[Block]],
         scale: float | None,
         kernel: str,
-        bias: torch.Tensor | None,
         real: torch.Tensor | None,
         sink: torch.Tensor | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         keys, values = _gather_kv(key, value, group)
         chunk = query.shape[2] // len(plan)
-        outs, lses, saved, masks = [], [], [], []
+        outs, lses, saved = [], [], []
         for half, blocks in enumerate(plan):
             rows = query[:, :, half * chunk : (half + 1) * chunk]
             out = lse = None
             for block in blocks:
-                start, end, causal, _ = block
-                masks.append(_mask(bias, block, query.dtype))  # made once, for the backward too
+                start, end, shape = block
+                mine = real[:, start:end] if real is not None else None
                 block_out, block_lse, extra = compat.lse_attention(
-                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], causal, masks[-1], scale
+                    kernel, rows, keys[:, :, start:end], values[:, :, start:end], shape, mine, scale, softcap
                 )
-                dead = _dead(real, block)
+                dead = _dead(real, block, chunk)
                 if dead is not None:
                     block_lse = block_lse.masked_fill(dead, float("-inf"))
                 out, lse = _merge(out, lse, block_out, block_lse)
@@ -202,27 +204,27 @@ class _Blocks(torch.autograd.Function):
             outs.append(out.to(query.dtype))
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(query, key, value, out, lse, sink)  # this rank's K and V only: gathered again
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved, ctx.masks = group, plan, scale, kernel, saved, masks
+        ctx.save_for_backward(query, key, value, out, lse, sink, real)  # this rank's K and V only: gathered again
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.saved, ctx.softcap = group, plan, scale, kernel, saved, softcap
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse, sink = ctx.saved_tensors
+        query, key, value, out, lse, sink, real = ctx.saved_tensors
         keys, values = _gather_kv(key, value, ctx.group)
         chunk = query.shape[2] // len(ctx.plan)
         # A row with no real key: its output is a constant zero; +inf makes each block's probabilities 0 there.
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         dq, dk, dv = torch.zeros_like(query), torch.zeros_like(keys), torch.zeros_like(values)
-        extras, masks = iter(ctx.saved), iter(ctx.masks)
+        extras = iter(ctx.saved)
         for half, blocks in enumerate(ctx.plan):
             rows = slice(half * chunk, (half + 1) * chunk)
-            q, g, o, row_lse = query[:, :, rows], grad[:, :, rows].contiguous(), out[:, :, rows], lse[:, :, rows]
-            for block in blocks:
-                start, end, causal, _ = block
+            q, g, o, row_lse = query[:, :, rows], _own(grad, rows), _own(out, rows), _own(lse, rows)
+            for start, end, shape in blocks:
+                mine = real[:, start:end] if real is not None else None
                 dq_b, dk_b, dv_b = compat.lse_attention_backward(
-                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, causal, next(masks),
-                    ctx.scale, next(extras),
+                    ctx.kernel, g, q, keys[:, :, start:end], values[:, :, start:end], o, row_lse, shape, mine,
+                    ctx.scale, next(extras), ctx.softcap,
                 )  # fmt: skip
                 dq[:, :, rows] += dq_b
                 dk[:, :, start:end] += dk_b
@@ -232,7 +234,7 @@ class _Blocks(torch.autograd.Function):
         if sink is not None:  # the sink's probability times the gradient of its logit: -p_sink * rowsum(dO * O)
             rows = (grad.float() * out.float()).sum(-1)
             dsink = -(torch.exp(_sink_lse(sink, lse) - lse) * rows).sum((0, 2)).to(sink.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, dsink
+        return dq, dk, dv, None, None, None, None, None, dsink, None
 
 
 @torch.compiler.disable  # eager inside compiled blocks: collectives and aten kernel calls, nothing to fuse
@@ -248,17 +250,16 @@ def block_attention(
     key_padding: torch.Tensor | None = None,
     window: int | None = None,
     sink: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """This rank's queries (chunks ``chunks``) over every rank's keys and values, block by block (see the module
-    docstring). ``key_padding``: ``(batch, S)``, true where a token is real, in global order; ``window``: a causal
-    sliding window (a query at ``q`` sees the keys ``q - window < k <= q``); ``sink``: an attention sink's logit per
-    query head (``(heads,)``, GPT-OSS's ``sinks``), one more key of value zero in every row's softmax."""
+    docstring), each block with ``kernel`` (:func:`cuboid.compat.lse_kernel`). ``key_padding``: ``(batch, S)``, true
+    where a token is real, in global order; ``window``: a causal sliding window (a query at ``q`` sees the keys
+    ``q - window < k <= q``); ``sink``: an attention sink's logit per query head (``(heads,)``, GPT-OSS's ``sinks``),
+    one more key of value zero in every row's softmax; ``softcap``: scores soft-capped (``softcap * tanh(s /
+    softcap)``, Gemma 2's)."""
     chunk = query.shape[2] // 2
     seq_len = chunk * 2 * dist.get_world_size(group)
-    bias = real = None
-    if key_padding is not None:
-        real = key_padding.to(query.device, torch.bool)
-        bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device).masked_fill(~real, float("-inf"))
-        bias = bias[:, None, None, :]
+    real = key_padding.to(query.device, torch.bool) if key_padding is not None else None
     plan = plan_blocks(chunks, chunk, seq_len, is_causal, window, query.device)
-    return _Blocks.apply(query, key, value, group, plan, scale, kernel, bias, real, sink)
+    return _Blocks.apply(query, key, value, group, plan, scale, kernel, real, sink, softcap)

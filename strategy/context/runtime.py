@@ -33,7 +33,13 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from cuboid.context import hf
-from cuboid.context.attention import ContextParallelError, cp_attention, gather_tokens, local_positions
+from cuboid.context.attention import (
+    ContextParallelError,
+    check_attention,
+    cp_attention,
+    gather_tokens,
+    local_positions,
+)
 from cuboid.context.current import KEY_PADDING, active, running
 
 _LOSSES: tuple[Callable[..., torch.Tensor], ...] = (F.cross_entropy, F.nll_loss)
@@ -88,6 +94,7 @@ class ContextParallel:
                 "to split the sequence for. Name them with block_container='model.layers', or use context_parallel=1."
             )
         root = root if root is not None else lm.get_submodule(blocks[0].split(".")[0])
+        check_attention(root, self.size)
         self.group, self.rank = group, dist.get_rank(group)
         self.positions_keyword = positions_keyword(root)
         self._transformers = hf.use_cp_attention(root)

@@ -44,3 +44,49 @@ def test_cp_attention_equals_full_attention_forward_and_backward(cp: int, tmp_pa
     print(f"cp{cp}: largest relative difference vs full attention: {worst}")
     assert max(worst.values()) <= 1e-5, worst
     assert big == [], big[:10]
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group in this process: cp = 1 still cuts each sequence into two query chunks (``0`` and
+    ``1``), so the block path runs whole (blocks, merges, the exchange over one rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_strided_log_sum_exp_handed_to_the_backward_breaks_flash_attentions_contract(one_rank, monkeypatch) -> None:
+    """The mutation of issue 57's first finding: the backward hands each kernel a slice of the whole log-sum-exp
+    instead of a tensor of its own. The CPU kernel honours strides (the numbers stay right), FlashAttention's backward
+    reads it as contiguous (wrong gradients on a GPU, no error); under ``CudaContracts`` it stops, naming it."""
+    from cuboid.compat import CudaContractError, CudaContracts
+    from cuboid.context import blocks
+    from cuboid.context.attention import cp_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16, generator=g).requires_grad_() for _ in range(3))
+    with CudaContracts() as contracts:  # as the code is: each checked op passes
+        cp_attention(q, k, v, one_rank, 32).sum().backward()
+    assert contracts.checked["_scaled_dot_product_flash_attention_for_cpu_backward"] == 3, contracts.checked
+    monkeypatch.setattr(blocks, "_own", lambda tensor, rows: tensor[:, :, rows])
+    with CudaContracts(), pytest.raises(CudaContractError, match=r"log-sum-exp must be contiguous"):
+        cp_attention(q, k, v, one_rank, 32).sum().backward()
+    monkeypatch.undo()
+    out = cp_attention(q, k, v, one_rank, 32)  # unchecked, the strided slice gives the same numbers on CPU
+    monkeypatch.setattr(blocks, "_own", lambda tensor, rows: tensor[:, :, rows])
+    strided = torch.autograd.grad(cp_attention(q, k, v, one_rank, 32).sum(), q)[0]
+    assert torch.allclose(strided, torch.autograd.grad(out.sum(), q)[0])
+
+
+def test_attention_dropout_and_head_dims_no_kernel_takes_are_refused_by_name(one_rank) -> None:
+    from cuboid.context.attention import cp_attention
+
+    q = torch.randn(1, 2, 16, 16)
+    with pytest.raises(ContextParallelError, match=r"attention dropout \(dropout_p=0.1\).*attention_dropout=0.0"):
+        cp_attention(q, q, q, one_rank, 16, dropout_p=0.1)
+    with pytest.raises(ContextParallelError, match=r"int64 attention on CPU"):
+        cp_attention(q.long(), q.long(), q.long(), one_rank, 16)

@@ -1,25 +1,24 @@
 """Context-parallel attention against full attention on random inputs, on every cp rank (a torchrun worker).
 
 Writes, from rank 0, the largest relative differences of the output and of the query, key and value gradients
-(each rank's share compared with the same tokens of full attention on one rank; by blocks, and by the one masked
-call a device without a block kernel makes), and every tensor shape the block path made that holds both a query
-length (this rank's tokens, or one chunk of them) and the whole sequence's (an ``Lq x S`` mask or score matrix: it
-makes none, with a sliding window too), to ``sys.argv[1]``.
+(each rank's share compared with the same tokens of full attention on one rank, by blocks), and every tensor the
+block path made that holds both a query length (this rank's tokens, or one chunk of them) and the whole sequence's
+(an ``Lq x S`` mask or score matrix: it makes none, with padding, a sliding window, a sink or soft-capping too), to
+``sys.argv[1]``. The CUDA kernels' preconditions are checked on every aten op the blocks call
+(``cuboid.compat.contracts``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cuboid import compat
+from cuboid.compat.contracts import CudaContracts
 from cuboid.context.attention import cp_attention, local_positions, shard_sequence
 from cuboid.job.launch import close_process_groups
 
@@ -39,9 +38,14 @@ class Shapes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and self.seq in t.shape and self.rows & set(t.shape):
+            if isinstance(t, torch.Tensor) and self.seq in t.shape and self.rows & set(t.shape) and _owns(t):
                 self.found.append((str(func), tuple(t.shape)))
         return out
+
+
+def _owns(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds its elements (not a broadcast view of fewer: an ``expand``)."""
+    return t.untyped_storage().nbytes() >= t.numel() * t.element_size()
 
 
 def padding(seq: int, side: str | None) -> torch.Tensor | None:
@@ -69,20 +73,6 @@ def eager(q, k, v, mask, sink, softcap) -> torch.Tensor:
     column = sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
     return probs @ v
-
-
-@contextlib.contextmanager
-def kernel(path: str) -> Iterator[None]:
-    """``masked``: no block kernel (as on a GPU in float32, or with padding), so cp_attention makes one masked call."""
-    if path == "blocks":
-        yield
-        return
-    found = compat.lse_kernel
-    compat.lse_kernel = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        compat.lse_kernel = found
 
 
 def main() -> None:
@@ -127,26 +117,23 @@ def main() -> None:
             full = eager(q, k, v, mask, sink, softcap)
         full.backward(grad_out)
         index = local_positions(seq, rank, cp)
-        for path in ("blocks", "masked"):  # masked: the one masked call a device without a block kernel makes
-            mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-            my_sink = sink.detach().clone().requires_grad_() if sink is not None else None
-            with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes, kernel(path):
-                out = cp_attention(
-                    *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real,
-                    window=window, sink=my_sink, softcap=softcap,
-                )  # fmt: skip
-                out.backward(shard_sequence(grad_out, rank, cp, dim=2))
-            big += shapes.found if path == "blocks" and softcap is None else []  # soft-capping: written out
-            pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
-                     "dv": (mine[2].grad, v.grad)}  # fmt: skip
-            for name, (got, want) in pairs.items():
-                key = name if path == "blocks" else f"{name} (masked)"
-                worst[key] = max(worst.get(key, 0.0), rel(got, want.index_select(2, index)))
-            if sink is not None:  # each rank's rows' share of the sink's gradient, summed over cp
-                assert my_sink is not None and my_sink.grad is not None
-                dist.all_reduce(my_sink.grad)
-                key = "dsink" if path == "blocks" else "dsink (masked)"
-                worst[key] = max(worst.get(key, 0.0), rel(my_sink.grad, sink.grad))
+        mine = [shard_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+        my_sink = sink.detach().clone().requires_grad_() if sink is not None else None
+        with Shapes(seq, {seq // cp, seq // (2 * cp)}) as shapes, CudaContracts():
+            out = cp_attention(
+                *mine, dist.group.WORLD, seq, is_causal=causal, enable_gqa=kv_heads != heads, key_padding=real,
+                window=window, sink=my_sink, softcap=softcap,
+            )  # fmt: skip
+            out.backward(shard_sequence(grad_out, rank, cp, dim=2))
+        big += shapes.found
+        pairs = {"out": (out, full.detach()), "dq": (mine[0].grad, q.grad), "dk": (mine[1].grad, k.grad),
+                 "dv": (mine[2].grad, v.grad)}  # fmt: skip
+        for name, (got, want) in pairs.items():
+            worst[name] = max(worst.get(name, 0.0), rel(got, want.index_select(2, index)))
+        if sink is not None:  # each rank's rows' share of the sink's gradient, summed over cp
+            assert my_sink is not None and my_sink.grad is not None
+            dist.all_reduce(my_sink.grad)
+            worst["dsink"] = max(worst.get("dsink", 0.0), rel(my_sink.grad, sink.grad))
     everyone = [None] * cp
     dist.all_gather_object(everyone, {**worst, "big": big})
     if rank == 0:
