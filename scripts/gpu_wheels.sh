@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The wheels the GPU check (scripts/bench_gpu.sh) installs on a GPU machine that reaches no package registry:
-# what Cuboid needs beside that machine's own torch, lightning, transformers and peft (hydra-core, omegaconf,
-# antlr4, wandb and what they need), for CPython 3.12 on x86-64 Linux. Run it where pip reaches PyPI, from the
-# repo's root, then carry the folder to the GPU machine beside the repo.
+# Cuboid's own (built here from the clone: nothing is built there) and what it needs beside that machine's own
+# torch, lightning, transformers and peft (hydra-core, omegaconf, antlr4, wandb and what they need), for CPython
+# 3.12 on x86-64 Linux. Run it where pip reaches PyPI, from the repo's root, then carry the folder with the repo.
 #
 #     bash scripts/gpu_wheels.sh [DIR]     # default DIR: .whl (ignored by git); refuses to exceed 40 MB
 #
@@ -25,6 +25,8 @@ TARGET=(--python-version 3.12 --implementation cp --only-binary=:all:
 python -m pip download -q "${TARGET[@]}" -d "$DIR" "wandb==0.31.0"
 python -m pip download -q "${TARGET[@]}" --no-deps -d "$DIR" "hydra-core==1.3.8" "omegaconf==2.3.1"
 python -m pip wheel -q --no-deps -w "$DIR" "antlr4-python3-runtime==4.9.3"
+rm -f "$DIR"/cuboid-*.whl
+python -m pip wheel -q --no-deps -w "$DIR" . # Cuboid itself, pure Python
 # Already on the GPU machine (its image): dropped, so that its own versions stay in charge.
 PRESENT="anyio certifi charset_normalizer click distro h11 httpcore httpx idna packaging protobuf pyyaml requests
 sniffio typing_extensions urllib3 xxhash"

@@ -171,6 +171,21 @@ def test_every_shell_script_answers_help(script: str, usage: str) -> None:
     assert out.returncode == 0 and usage in out.stdout, out.stdout + out.stderr
 
 
+def test_each_part_of_the_gpu_check_ends_within_300_seconds_of_limits() -> None:
+    """The GPU check runs as two commands, each inside 300 s however its checks go (a device machine's slot is 15
+    minutes, start-up included: a rerun must fit): each part's limits, the install's and the kill margins summed."""
+    import re
+
+    text = (ROOT / "scripts" / "bench_gpu.sh").read_text()
+    kill = int(re.search(r"^KILL=(\d+)", text, re.M).group(1))
+    install = [int(n) for n in re.findall(r"^    check install (\d+) ", text, re.M)]
+    parts = text.split('if [ "$PART" = 1 ]; then')[1].split("\nfi\n")[0].split("\nelse\n")
+    assert len(install) == 1 and len(parts) == 2
+    for part in parts:
+        limits = [int(n) for n in re.findall(r'^    check (?:"[^"]*"|\S+) (\d+) ', part, re.M)]
+        assert limits and install[0] + kill + sum(limits) + kill * len(limits) <= 300, (limits, install, kill)
+
+
 def test_unknown_planner_argument_names_the_keys() -> None:
     out = python([sys.executable, "-m", "cuboid.layout", "gpus=8"], timeout=60)
     assert out.returncode != 0 and "unknown argument 'gpus=8'" in out.stderr and "gpus_per_node" in out.stderr

@@ -43,24 +43,56 @@ def tokens(n: int, seq: int, vocab: int) -> torch.Tensor:
 
 
 class StepClock(L.Callback):
-    """Wall time of the steps after ``warmup`` (synchronized once at each end: a benchmark may wait)."""
+    """Time of the steps after ``warmup``: on a GPU two CUDA events (at the start of step ``warmup`` and at the end of
+    the last step) and one synchronization when training ends, so no step waits for the device; elsewhere the host's
+    clock."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.t0, self.t1, self.steps = warmup, 0.0, 0.0, 0
-
-    def _sync(self, module: L.LightningModule) -> None:
-        if module.device.type == "cuda":
-            torch.cuda.synchronize(module.device)
+        self.warmup, self.steps, self.seconds = warmup, 0, float("nan")
+        self._start: Any = None
+        self._end: Any = None
+        self._t0 = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_step == self.warmup:
-            self._sync(module)
-            self.t0 = time.perf_counter()
+        if trainer.global_step == self.warmup and self._start is None:
+            if module.device.type == "cuda":
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            else:
+                self._start, self._t0 = True, time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         if trainer.global_step > self.warmup:
-            self._sync(module)
-            self.t1, self.steps = time.perf_counter(), trainer.global_step - self.warmup
+            self.steps = trainer.global_step - self.warmup
+            if module.device.type == "cuda":
+                self._end = self._end or torch.cuda.Event(enable_timing=True)
+                self._end.record()
+            else:
+                self.seconds = time.perf_counter() - self._t0
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if module.device.type == "cuda" and self._end is not None:
+            torch.cuda.synchronize(module.device)  # the one synchronization
+            self.seconds = self._start.elapsed_time(self._end) / 1000
+
+
+def timed(fn: Any, repeat: int, device: torch.device) -> float:
+    """Milliseconds per call of ``fn`` (after two calls to warm up): CUDA events around ``repeat`` calls and one
+    synchronization at the end on a GPU, the host's clock elsewhere."""
+    for _ in range(2):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start) / repeat * 1000
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) / repeat
 
 
 class Losses(L.Callback):
@@ -95,7 +127,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     trainer = trainer_for(args, strategy, max_steps=args.steps, callbacks=[clock], log_every_n_steps=args.steps)
     data = tokens(args.batch * args.steps, args.seq, module.cfg.vocab_size)
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
-    step_s = (clock.t1 - clock.t0) / max(1, clock.steps)
+    step_s = clock.seconds / max(1, clock.steps)
     tokens_per_s = args.batch * args.seq / step_s
     flops_per_s = module.flops_per_token(args.seq) * tokens_per_s
     peak = device_peak_flops(module.device, args.precision)
@@ -293,18 +325,103 @@ def sync_audit(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# context parallel's attention cases: (name, padding, sliding window, sink, soft cap, dtype on a GPU)
+ATTENTION_CASES = (
+    ("causal", False, None, False, None, torch.bfloat16),
+    ("padded", True, None, False, None, torch.bfloat16),
+    ("window", False, 1000, False, None, torch.bfloat16),
+    ("window_padded", True, 1000, False, None, torch.float16),
+    ("sink", False, 1000, True, None, torch.bfloat16),
+    ("softcap", False, None, False, 50.0, torch.bfloat16),
+    ("fp32", False, None, False, None, torch.float32),
+)
+
+
 def attention(args: argparse.Namespace) -> dict[str, Any]:
-    """The kernel ``scaled_dot_product_attention`` picks for context parallel's shapes, and its forward + backward
-    time: one query chunk (``seq / cp`` tokens) against the gathered keys (``seq``), causal through a boolean mask
-    as Cuboid's exchange passes it today, with every head repeated and with grouped-query heads
-    (``enable_gqa``); then the chunk's causal diagonal block without a mask (``is_causal``: what a flash kernel
-    can run)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """Context parallel's block attention, each case on the kernel a GPU gives it (``cuboid.compat.lse_kernel``:
+    FlashAttention-2 with its own window, the memory-efficient kernel with a block's bias for padding and fp32,
+    FlexAttention for soft-capped scores), against attention written out in float32 over the same tokens (output
+    and gradients), and its forward + backward time; beside it, the kernel ``scaled_dot_product_attention`` picks for
+    the same block shapes. On one rank: its two query chunks of ``seq / cp`` tokens are the blocks a cp rank runs."""
+    import os
+
+    import torch.distributed as dist
+
+    from cuboid import compat
+    from cuboid.context.attention import cp_attention
 
     device = torch.device("cuda" if args.accelerator != "cpu" else "cpu")
-    dtype = torch.bfloat16 if args.accelerator != "cpu" else torch.float32
-    heads, kv_heads, dim = (32, 8, 128) if args.accelerator != "cpu" else (4, 2, 16)
-    chunk = args.seq // args.cp
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29591")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    heads, kv_heads, dim = (32, 8, 128) if device.type == "cuda" else (4, 2, 16)
+    tokens = args.seq // args.cp
+    rows = []
+    for name, padded, window, with_sink, softcap, gpu_dtype in ATTENTION_CASES:
+        dtype = gpu_dtype if device.type == "cuda" else torch.float32
+        window = None if window is None else min(window, tokens // 3)
+        g = torch.Generator(device=device).manual_seed(len(rows))
+        q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
+        k, v = (torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
+                for _ in range(2))  # fmt: skip
+        grad = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g)
+        real = None
+        if padded:
+            real = torch.ones(1, tokens, dtype=torch.bool, device=device)
+            real[:, : tokens // 8] = False  # left padding
+        sink = torch.randn(heads, device=device, generator=g) if with_sink else None
+        kernel = compat.lse_kernel(q, padded=padded, softcap=softcap is not None)
+
+        def mine(q=q, k=k, v=v, real=real, window=window, sink=sink, softcap=softcap, grad=grad) -> list[torch.Tensor]:
+            out = cp_attention(q, k, v, dist.group.WORLD, tokens, enable_gqa=True, key_padding=real, window=window,
+                               sink=sink, softcap=softcap)  # fmt: skip
+            return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+        def written(q=q, k=k, v=v, real=real, window=window, sink=sink, softcap=softcap, grad=grad) -> list:
+            return _written_out_attention(q, k, v, grad, real, window, sink, softcap)
+
+        got, want = mine(), written()
+        worst = max(float((a.detach().float() - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True))
+        del want
+        bound = 1e-5 if dtype == torch.float32 else 3e-2
+        rows.append({"case": name, "dtype": str(dtype).split(".")[-1], "kernel": kernel, "tokens": tokens,
+                     "window": window, "max_rel_diff": worst, "blocks_ms": round(timed(mine, 3, device), 3),
+                     "ok": worst <= bound})  # fmt: skip
+    rows += _sdpa_picks(device, heads, kv_heads, dim, tokens // 2)
+    return {"check": "attention", "seq": args.seq, "cp": args.cp, "rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def _written_out_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, real: Any, window: Any, sink: Any,
+    softcap: Any,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Causal attention written out in float32 (the reference): its output and the gradients of q, k, v."""
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    scores = q32 @ k32.repeat_interleave(groups, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    n = q.shape[2]
+    seen = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        seen &= ~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-window)
+    if real is not None:
+        seen = seen & real[:, None, None, :]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    out = probs[..., :n] @ v32.repeat_interleave(groups, 1)
+    return [out.detach(), *torch.autograd.grad(out, (q32, k32, v32), grad.float())]
+
+
+def _sdpa_picks(device: torch.device, heads: int, kv_heads: int, dim: int, chunk: int) -> list[dict[str, Any]]:
+    """The kernel ``scaled_dot_product_attention`` picks for a cp block's shapes (a chunk's causal diagonal; a chunk
+    against earlier keys, unmasked), with and without grouped-query heads, and its forward + backward time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     picked: list[str] = []
 
     class Kernel(TorchDispatchMode):
@@ -315,94 +432,21 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
             return func(*a, **(kwargs or {}))
 
     rows = []
-    for masked, gqa in ((True, False), (True, True), (False, False), (False, True)):
+    for causal, gqa in ((True, False), (True, True), (False, True)):
         g = torch.Generator(device=device).manual_seed(0)
-        keys = args.seq if masked else chunk  # unmasked: the chunk's causal diagonal block
-        q = torch.randn(1, heads, chunk, dim, device=device, dtype=dtype, generator=g)
-        k, v = (torch.randn(1, kv_heads if gqa else heads, keys, dim, device=device, dtype=dtype, generator=g)
-                for _ in range(2))  # fmt: skip
-        mask = None
-        if masked:  # the last chunk's rows: it sees every earlier key
-            mask = torch.ones(chunk, args.seq, dtype=torch.bool, device=device).tril(args.seq - chunk)
-        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        q = torch.randn(1, heads, chunk, dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads if gqa else heads, 2 * chunk if not causal else chunk, dim, device=device,
+                            dtype=dtype, generator=g, requires_grad=True) for _ in range(2))  # fmt: skip
 
-        call = {"attn_mask": mask, "is_causal": not masked, "enable_gqa": gqa}
-
-        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: dict[str, Any]) -> None:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, **call).sum().backward()
+        def step(q=q, k=k, v=v, causal=causal, gqa=gqa) -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa).sum().backward()
 
         picked.clear()
         with Kernel():
-            step(q, k, v, call)
-        kernel = picked[0] if picked else "math (no fused kernel)"
-        for _ in range(2):
-            step(q, k, v, call)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start, n = time.perf_counter(), 5
-        for _ in range(n):
-            step(q, k, v, call)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rows.append({"mask": masked, "gqa": gqa, "q_tokens": chunk, "keys": keys, "kernel": kernel,
-                     "ms": round((time.perf_counter() - start) / n * 1000, 3)})  # fmt: skip
-    blocks = block_attention_row(device, dtype, heads, kv_heads, dim, chunk)
-    rows.append(blocks)
-    return {"check": "attention", "seq": args.seq, "cp": args.cp, "dtype": str(dtype), "rows": rows,
-            "ok": blocks["ok"]}  # fmt: skip
-
-
-def block_attention_row(
-    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, tokens: int
-) -> dict[str, Any]:
-    """Cuboid's block attention (``cuboid.context.blocks``) on a one-rank cp group, so its two query chunks are
-    two blocks merged by their log-sum-exp, against causal ``scaled_dot_product_attention`` over the same tokens:
-    the kernel it runs, the largest relative difference of the output and gradients (bf16: within 2e-2), and both
-    timings."""
-    import os
-
-    import torch.distributed as dist
-
-    from cuboid import compat
-    from cuboid.context.attention import cp_attention
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29591")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    g = torch.Generator(device=device).manual_seed(1)
-    q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
-    k, v = (torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
-            for _ in range(2))  # fmt: skip
-    grad = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g)
-
-    def full() -> list[torch.Tensor]:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
-
-    def mine() -> list[torch.Tensor]:
-        out = cp_attention(q, k, v, dist.group.WORLD, tokens, is_causal=True, enable_gqa=True)
-        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
-
-    want, got = full(), mine()
-    worst = max(
-        float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want, strict=True)
-    )
-    times = {}
-    for name, fn in (("sdpa_ms", full), ("blocks_ms", mine)):
-        for _ in range(2):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(5):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times[name] = round((time.perf_counter() - start) / 5 * 1000, 3)
-    kernel = compat.lse_kernel(q, masked=False) or "masked fallback"
-    return {"blocks": True, "kernel": kernel, "q_tokens": tokens, "max_rel_diff": worst, **times,
-            "ok": worst <= (2e-2 if dtype != torch.float32 else 1e-5)}  # fmt: skip
+            step()
+        rows.append({"sdpa": True, "causal": causal, "gqa": gqa, "q_tokens": chunk, "keys": k.shape[2],
+                     "kernel": picked[0] if picked else "math", "ms": round(timed(step, 3, device), 3), "ok": True})  # fmt: skip
+    return rows
 
 
 def weights(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 (token, expert) pair sent to the rank holding its expert and back (all-to-alls with uneven splits), the router
 left as the model defines it, its load-balancing loss summed over the step's ranks (``balance``)."""
 
-from cuboid.experts.balance import LoadBalancing, check_router_loss_model, router_loss_model
+from cuboid.experts.balance import LoadBalancing, check_router_loss_model, router_loss_model, settle_block_losses
 from cuboid.experts.balance import active as active_balancing
 from cuboid.experts.balance import loss_of as balancing_loss
 from cuboid.experts.balance import statistics as balancing_statistics
-from cuboid.experts.dispatch import ExpertParallelError, combine, dispatch, expert_block
+from cuboid.experts.dispatch import ExpertParallelError, RoutingReplay, combine, dispatch, expert_block
 from cuboid.experts.hf import distribute_experts, experts_modules, shard_experts
 from cuboid.experts.load import ExpertLoad, load_figures
 
@@ -14,6 +14,7 @@ __all__ = [
     "ExpertLoad",
     "ExpertParallelError",
     "LoadBalancing",
+    "RoutingReplay",
     "active_balancing",
     "balancing_loss",
     "balancing_statistics",
@@ -25,5 +26,6 @@ __all__ = [
     "experts_modules",
     "load_figures",
     "router_loss_model",
+    "settle_block_losses",
     "shard_experts",
 ]

@@ -19,8 +19,13 @@ over them divides away again; no collective in the backward, one all-reduce of `
 Under pipeline parallel the stages send the parts along (:mod:`cuboid.pipeline.decoder`).
 
 A model of Cuboid's own that computes its load-balancing loss per block (``cuboid.models.MoE``: ``balance_parts``
-and ``balance_loss(parts)``) gets the same: after each block's forward its ``aux_loss`` is remade from its parts
-summed over the ranks (one all-reduce of ``2E + 1`` numbers per block and forward).
+and ``balance_loss(parts)``) gets the same, with no collective inside a block: each block's forward only notes that
+it ran, and once the model's forward is over (a forward hook on the model; a pipeline stage calls
+:func:`settle_block_losses` before it reads them) every noted block's parts are stacked, summed over the ranks in one
+all-reduce of ``layers x (2E + 1)`` numbers, and each block's ``aux_loss`` is remade from its row. The sums, and so
+the loss and its gradient, are the ones a collective per block made.
+
+The ranks are one group (``dp_cp``: data parallel x cp, flattened), so a sum is one collective.
 """
 
 from __future__ import annotations
@@ -94,6 +99,14 @@ def loss_of(parts: Tensor, experts: int) -> Tensor:
     return torch.sum(parts[:experts] / rows * (parts[experts : 2 * experts] / rows)) * experts
 
 
+def settle_block_losses() -> None:
+    """The running step's blocks that ran since the last call get their ``aux_loss`` over the step's tokens (see the
+    module docstring); nothing outside a step."""
+    balance = active()
+    if balance is not None:
+        balance.settle_blocks()
+
+
 class _SumOverRanks(torch.autograd.Function):
     """All-reduce (sum) over ``groups`` in turn; backward: the gradient times ``ranks`` (every rank computes the
     same loss from the sum; the gradient mean over the ranks divides it away). No collective in the backward."""
@@ -126,19 +139,21 @@ class LoadBalancing:
         self.ranks = 1
         self._checked = False
         self._padding: Callable[[], Tensor | None] | None = None
+        self._ran: dict[nn.Module, None] = {}  # the blocks whose forward ran since the last settle_blocks, in order
 
     def setup(
         self,
         lm: nn.Module,
         blocks: Sequence[tuple[str, nn.Module]],
-        data: list[tuple[str, Any]],
+        every: list[tuple[str, Any]],
         cp: list[tuple[str, Any]],
         plain: bool,
         padding: Callable[[], Tensor | None] | None = None,
         root: nn.Module | None = None,
     ) -> None:
         """``lm``'s model (the child holding the ``blocks``; ``root`` when given, as under Fabric, where the module
-        set up is the model). ``data`` / ``cp``: (name, group) of the dims whose ranks hold different tokens.
+        set up is the model). ``every`` / ``cp``: (name, group) of all the ranks that hold different tokens of a step
+        (data parallel x cp), and of cp alone.
         ``plain``: no pipeline, so the model's output is adjusted by a forward hook (a pipeline's last stage computes
         the loss itself). ``padding``: under cp, this rank's share of the step's padding mask (the model itself is
         given none), else None."""
@@ -146,7 +161,7 @@ class LoadBalancing:
             return
         model = root if root is not None else lm.get_submodule(blocks[0][0].split(".")[0])
         self._padding = padding
-        chosen = data + cp if self.mode == "global" else cp
+        chosen = every if self.mode == "global" else cp
         self.groups = [group for _, group in chosen if dist.get_world_size(group) > 1]
         self.ranks = 1
         for group in self.groups:
@@ -156,9 +171,13 @@ class LoadBalancing:
             model.register_forward_hook(self._swap_loss, with_kwargs=True)
         weighted = getattr(getattr(model, "cfg", None), "aux_loss_coef", 1)  # Cuboid's Llama: 0 leaves it out
         if self.groups and weighted:  # a block that computes its own load-balancing loss from parts (Cuboid's MoE)
+            found = False
             for module in model.modules():
                 if hasattr(module, "balance_parts") and callable(getattr(module, "balance_loss", None)):
-                    module.register_forward_hook(self._whole_block_loss)
+                    module.register_forward_hook(self._note_block)
+                    found = True
+            if found and plain:  # under pp each stage settles its own blocks (settle_block_losses)
+                model.register_forward_hook(lambda *_: self.settle_blocks() if active() is self else None)
 
     @contextmanager
     def step(self) -> Generator[None, None, None]:
@@ -194,10 +213,22 @@ class LoadBalancing:
                 "parallel, or train without it (config.output_router_logits=False)."
             )
 
-    def _whole_block_loss(self, module: nn.Module, _args: tuple, _output: Any) -> None:
-        """A block's ``aux_loss`` from its statistic's parts summed over the step's ranks."""
+    def _note_block(self, module: nn.Module, _args: tuple, _output: Any) -> None:
+        """A block's forward ran in the step (its parts are summed later, with every other block's)."""
         if active() is self and module.balance_parts is not None:
-            module.aux_loss = module.balance_loss(self.whole(module.balance_parts))
+            self._ran[module] = None
+
+    def settle_blocks(self) -> None:
+        """Every block noted since the last call: its ``aux_loss`` from its parts summed over the step's ranks, all
+        blocks' parts in one all-reduce. A block recomputed by activation checkpointing inside a step (a pipeline
+        schedule runs backward there) is noted again: the same blocks, on every rank of the sum, so the next call
+        stacks as many rows everywhere."""
+        if not self._ran:
+            return
+        blocks, self._ran = list(self._ran), {}
+        summed = self.whole(torch.stack([block.balance_parts for block in blocks]))
+        for block, parts in zip(blocks, summed.unbind(0), strict=True):
+            block.aux_loss = block.balance_loss(parts)
 
     def _swap_loss(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if active() is not self or getattr(output, "router_logits", None) is None:

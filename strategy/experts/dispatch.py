@@ -6,12 +6,19 @@ Experts are split in contiguous blocks over the ``ep`` ranks of a group: rank ``
 dropped by capacity or masked) goes nowhere and adds nothing.
 
 One host sync per MoE layer and forward: the pair counts are exchanged first (a small all-to-all) and read back,
-because the token all-to-all needs its splits on the host. The backward reuses them: no sync there.
+because the token all-to-all needs its splits on the host. The backward reuses them: no sync there. Nor does an
+activation checkpoint's recompute: a checkpointed block's forward records each layer's counts
+(:class:`RoutingReplay`, installed by ``cuboid.parallel.apply_ac``) and its recompute takes them back instead of
+exchanging and reading them again (torchtitan's selective checkpointing saves the device-to-host copy for the same
+reason; this also serves full checkpointing, and a CPU run, where the read is no op to save).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Generator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +43,52 @@ class _AllToAll(torch.autograd.Function):
 def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Send ``send[r]`` consecutive rows to each rank ``r`` and receive ``recv[r]`` from each (differentiable)."""
     return _AllToAll.apply(rows, recv, send, group)
+
+
+@dataclass
+class RoutingReplay:
+    """Each MoE layer's exchanged pair counts from one checkpointed forward (the host lists and the device tensor, in
+    call order), taken back by its recompute: one count exchange and one host read per layer and forward, however
+    often the block runs. Only ops outside selective checkpointing's save list are skipped in the recompute, so its
+    cache of saved outputs keeps its order."""
+
+    kept: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+
+    @contextmanager
+    def recording(self) -> Generator[None, None, None]:
+        token = _REPLAY.set((self, False))
+        try:
+            yield
+        finally:
+            _REPLAY.reset(token)
+
+    @contextmanager
+    def replaying(self) -> Generator[None, None, None]:
+        token = _REPLAY.set((self, True))
+        try:
+            yield
+        finally:
+            _REPLAY.reset(token)
+
+
+_REPLAY: ContextVar[tuple[RoutingReplay, bool] | None] = ContextVar("cuboid_routing_replay", default=None)
+
+
+def _exchanged_counts(
+    counts_of: torch.Tensor, num_experts: int, group: dist.ProcessGroup
+) -> tuple[list[int], torch.Tensor]:
+    """Each expert's pair count here and each local expert's from every rank: ``(host list of 2 E, the received
+    counts on the device)``; in a checkpoint's recompute, the forward's (:class:`RoutingReplay`)."""
+    replay = _REPLAY.get()
+    if replay is not None and replay[1] and replay[0].kept:
+        return replay[0].kept.pop(0)
+    counts = pairs_per_expert(counts_of, num_experts)
+    recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    host = torch.cat([counts, recv_counts]).tolist()  # the one host sync: the splits below live on the host
+    if replay is not None and not replay[1]:
+        replay[0].kept.append((host, recv_counts))
+    return host, recv_counts
 
 
 class ExpertParallelError(ValueError):
@@ -87,10 +140,7 @@ def dispatch(
     per = expert_block(num_experts, ep, 0)[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = pairs_per_expert(flat, num_experts)
-    recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    host = torch.cat([counts, recv_counts]).tolist()  # the one host sync: the splits below live on the host
+    host, recv_counts = _exchanged_counts(flat, num_experts, group)
     send_counts, received = host[:num_experts], host[num_experts:]
     send_splits = [sum(send_counts[r * per : (r + 1) * per]) for r in range(ep)]
     recv_splits = [sum(received[s * per : (s + 1) * per]) for s in range(ep)]

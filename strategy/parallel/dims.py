@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from cuboid.parallel.mesh import DP_DIMS, Layout, build_device_mesh, build_ep_meshes, dim_groups
+from cuboid.parallel.mesh import Layout, build_device_mesh, build_ep_meshes, dim_groups
 from cuboid.parallel.parallelize import ExpertsLayout
 
 
@@ -75,6 +75,7 @@ class ParallelDims:
         return self.dp_mesh.get_group()
 
     def token_groups(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-        """(name, group) of the mesh dims whose ranks hold different tokens of a step: the data-parallel dims, and
-        cp (its ranks hold different parts of the same sequences)."""
-        return dim_groups(self.mesh, DP_DIMS), dim_groups(self.mesh, ("cp",))
+        """(name, group) of the ranks that hold different tokens of a step, as one group (``dp_cp``: data parallel
+        x cp, one collective for a sum over all of them), and of cp alone (its ranks hold different parts of the
+        same sequences)."""
+        return dim_groups(self.mesh, ("dp_cp",)), dim_groups(self.mesh, ("cp",))

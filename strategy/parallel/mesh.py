@@ -23,12 +23,15 @@ DP_DIMS: tuple[str, str] = ("dp_replicate", "dp_shard")  # data parallel = repli
 # are data-parallel peers (torchtitan's dp_shard_cp).
 SHARD_CP_DIMS: tuple[str, str] = ("dp_shard", "cp")
 # Every name the mesh answers to: its dims, then the flattened views build_device_mesh adds (the aliases last).
-MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "dp_shard_cp", "data_parallel", "tensor_parallel")
+MESH_NAMES: tuple[str, ...] = (*MESH_DIMS, "dp", "dp_shard_cp", "dp_cp", "data_parallel", "tensor_parallel")
+# Every rank that holds different tokens of a step: data parallel x cp (a batch statistic's sum runs over them).
+TOKEN_DIMS: tuple[str, str, str] = (*DP_DIMS, "cp")
 # Flattened views -> the dims they cover (what the global grad norm needs to tell replicas from shards). The
 # expert-parallel mesh (build_ep_meshes) splits dp_shard x cp into "efsdp" x "ep": both cover those two dims.
 FLATTENED: dict[str, tuple[str, ...]] = {
     "dp": DP_DIMS,
     "dp_shard_cp": SHARD_CP_DIMS,
+    "dp_cp": TOKEN_DIMS,
     "efsdp": SHARD_CP_DIMS,
     "ep": SHARD_CP_DIMS,
 }
@@ -138,18 +141,19 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp). Cuboid keeps every flattened view
     it makes and finds it with :func:`submesh` (torch deprecates looking them up on the root mesh). A view over the
     same ranks as a dim or another view shares its process group (:func:`_view`, ``compat.name_mesh``): only HSDP
-    with cp makes groups beyond the five dims' and the flattened ``dp`` and ``dp_shard_cp`` it needs.
+    with cp makes groups beyond the five dims' and the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` it needs.
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
     dp = _view(mesh, DP_DIMS, "dp")
     views: dict[str | tuple[str, ...], DeviceMesh] = {
         "dp": dp,
         "dp_shard_cp": _view(mesh, SHARD_CP_DIMS, "dp_shard_cp"),
+        "dp_cp": _view(mesh, TOKEN_DIMS, "dp_cp"),  # dp without cp, cp without dp
         "data_parallel": name_mesh(dp, "data_parallel"),  # the same ranks as dp: its process group, not a new one
         "tensor_parallel": name_mesh(mesh["tp"], "tensor_parallel"),
     }
     if layout.dp_replicate > 1 and layout.cp > 1:  # HSDP with cp: FSDP's 2-D mesh over replicas x (shards x cp)
-        every = flatten_mesh(mesh[(*DP_DIMS, "cp")], "dp_cp")
+        every = views["dp_cp"]
         sizes = (layout.dp_replicate, layout.dp_shard * layout.cp)  # type: ignore[operator]
         views[("dp_replicate", "dp_shard_cp")] = unflatten_mesh(every, sizes, ("dp_replicate", "dp_shard_cp"))
     mesh.cuboid_views = views  # type: ignore[attr-defined]  # the bookkeeping torch asks for, kept on the root

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
-from cuboid.experts import ExpertParallelError, distribute_experts, experts_modules
+from cuboid.experts import ExpertParallelError, RoutingReplay, distribute_experts, experts_modules
 from cuboid.parallel.styles import PlanError
 
 ACMode = Literal["full", "selective"]
@@ -51,6 +51,8 @@ _SAC_SAVE_OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
 }
+# (Not the routers' topk, as torchtitan saves it: transformers' Qwen3-MoE normalizes its top-k weights in place,
+# which SAC refuses for a cached output. A recompute routes as its forward did: same inputs, same kernels.)
 
 
 def apply_tp(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -163,11 +165,19 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any]) ->
 
 def _with_forward_modes(context_fn: Callable[[], Any]) -> Callable[[], Any]:
     """``context_fn`` whose recompute also runs under the ``TorchFunctionMode``s the forward ran under (context
-    parallel's attention and loss interceptor): the autograd engine runs the recompute without them."""
+    parallel's attention and loss interceptor): the autograd engine runs the recompute without them. An expert
+    layer's exchanged counts are taken from the forward (:class:`cuboid.experts.RoutingReplay`): no second host read
+    and count exchange in the recompute."""
 
     def contexts() -> tuple[Any, Any]:
         forward_ctx, recompute_ctx = context_fn()
         modes = torch_function_modes()
+        replay = RoutingReplay()
+
+        @contextmanager
+        def forward() -> Generator[None, None, None]:
+            with forward_ctx, replay.recording():
+                yield
 
         @contextmanager
         def recompute() -> Generator[None, None, None]:
@@ -175,9 +185,10 @@ def _with_forward_modes(context_fn: Callable[[], Any]) -> Callable[[], Any]:
                 for mode in modes:
                     stack.enter_context(mode)
                 stack.enter_context(recompute_ctx)
+                stack.enter_context(replay.replaying())
                 yield
 
-        return forward_ctx, recompute()
+        return forward(), recompute()
 
     return contexts
 

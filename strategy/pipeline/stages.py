@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.pipelining import schedules as S
 
 from cuboid.compat import shallow_module_copy
+from cuboid.experts import settle_block_losses
 from cuboid.pipeline import decoder
 
 # The schedules Cuboid supports (each has a parity test); their classes come from torch's own registry.
@@ -180,6 +181,7 @@ def _forward_carrying_aux(self: nn.Module, x: torch.Tensor, *received: torch.Ten
     so far (what the stage before sent plus this stage's blocks' own, shaped ``(1,)``: the schedule concatenates
     each output over the microbatches)."""
     out = type(self).forward(self, x, **kwargs)
+    settle_block_losses()  # its blocks' losses over the step's tokens, one sum for all (module hooks do not run here)
     own = self.aux_loss()  # this stage's view holds its own blocks only
     total = own if not received else (received[0].reshape(()) if own is None else received[0].reshape(()) + own)
     if total is None:

@@ -91,3 +91,54 @@ def test_the_statistic_and_its_sum_read_nothing_back_from_the_device(tmp_path: P
         assert all(t.grad is not None for t in logits)
     finally:
         dist.destroy_process_group()
+
+
+def test_cuboids_own_moe_blocks_reduce_their_statistics_once_per_forward_outside_the_blocks() -> None:
+    """Cuboid's MoE (a load-balancing loss per block, from parts): under ``LoadBalancing`` no collective runs
+    inside a block's forward; once the model's forward is over, every block's parts are summed over the step's ranks
+    in one all-reduce of ``layers x (2E + 1)`` numbers, and each block's ``aux_loss`` is made from its row (here
+    two ranks of torch's fake process group: the sum is this rank's parts, as one process's)."""
+    from dataclasses import replace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cuboid import compat
+    from cuboid.models.llama import CONFIGS, Llama
+    from cuboid.models.moe import MoE
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inside, self.seen = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                self.seen.append((func.__name__, self.inside > 0, tuple(args[0][0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Llama(replace(CONFIGS["moe_debug"], vocab_size=256, n_layers=3))
+    model.init_weights()
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens)
+    alone = [m.aux_loss.detach().clone() for m in model.modules() if isinstance(m, MoE)]
+    lm = torch.nn.Module()
+    lm.model = model
+    compat.init_fake_process_group(2)
+    try:
+        balance = LoadBalancing("global")
+        blocks = [(f"model.layers.{i}", block) for i, block in enumerate(model.layers.values())]
+        balance.setup(lm, blocks, [("dp_cp", dist.group.WORLD)], [], plain=True)
+        seen = Collectives()
+        for block in model.modules():
+            if isinstance(block, MoE):
+                block.register_forward_pre_hook(lambda *_: setattr(seen, "inside", seen.inside + 1))
+                block.register_forward_hook(lambda *_: setattr(seen, "inside", seen.inside - 1))
+        with balance.step(), seen:
+            model(tokens)
+    finally:
+        dist.destroy_process_group()
+    experts = model.layers["0"].feed_forward.router.weight.shape[0]
+    assert seen.seen == [("allreduce_.default", False, (3, 2 * experts + 1))], seen.seen
+    mine = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
+    assert all(torch.allclose(a, b) for a, b in zip(mine, alone, strict=True))

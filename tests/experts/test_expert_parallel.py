@@ -59,6 +59,12 @@ RUNS: dict[str, tuple[int, dict]] = {
     "cuboid_moe-pp2xep2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "pipeline_parallel": 2}}),
     "cuboid_moe-pp2xcp2xep2": (4, {"model": "cuboid_moe", "strategy": {**EP2, "context_parallel": 2,
                                                                        "pipeline_parallel": 2}, "seq": 64}),
+    # activation checkpointing: the recompute takes each layer's split sizes from its forward (no second host read
+    # or count exchange), and under pp (backward inside the step) the blocks' statistics are summed once per stage
+    "hf_qwen3_moe-ep2-ac_selective": (2, {"model": "hf_qwen3_moe",
+                                          "strategy": {**EP2, "activation_checkpointing": "selective"}}),
+    "cuboid_moe-pp2xep2-ac_full": (4, {"model": "cuboid_moe", "strategy": {**EP2, "pipeline_parallel": 2,
+                                                                           "activation_checkpointing": "full"}}),
 }  # fmt: skip
 CLIP_CUBOID_MOE = {SEQ: 1.4, 64: 1.33}  # the reference clips on some steps and not on others
 
@@ -159,6 +165,10 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
     TABLE[name] = (rel, err)
     assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
     assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+    # the aten ops Cuboid calls (grouped GEMMs, cp's attention blocks) were held to their CUDA kernels' preconditions
+    assert (
+        all(facts["cuda_contracts"] is not None for facts in got["ranks"]) or "expert_parallel" not in spec["strategy"]
+    )
     # The experts are split over ep: each rank holds 2 of the 4 experts of every layer (then FSDP over efsdp);
     # under tp they are not split over tp.
     for facts in got["ranks"]:

@@ -130,3 +130,57 @@ def test_cuboids_own_moe_runs_its_experts_without_a_sync_per_expert() -> None:
         model(tokens).sum().backward()
     assert ops.seen == [], ops.seen
     assert len(load) == 2 and [float(c.sum()) for c in load.counts] == [2 * 32, 2 * 32]
+
+
+@pytest.mark.parametrize("ac", [None, "full", "selective"])
+def test_a_checkpointed_layer_reads_its_splits_once_and_its_recompute_takes_them_back(ac, tmp_path: Path) -> None:
+    """An expert layer under activation checkpointing (``cuboid.parallel``'s per-block checkpoint, full or
+    selective): one host read of the split sizes per layer and forward, the recompute included
+    (``RoutingReplay``): the recompute neither exchanges the counts again nor reads them back; only the token
+    exchange runs again. The gradients are the unchecked layer's."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.checkpoint import noop_context_fn
+
+    from cuboid.parallel.parallelize import _checkpointed, _sac_context
+
+    class Reads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.Tensor.tolist
+            return func(*args, **(kwargs or {}))
+
+    class Exchanges(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.namespace == "c10d" and func.__name__.startswith("alltoall")
+            return func(*args, **(kwargs or {}))
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        index = torch.tensor([[0, 3], [2, 4], [1, 0], [3, 3], [4, 4], [0, 1]])
+        weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(0))
+
+        def layer(hidden: torch.Tensor) -> torch.Tensor:
+            rows, _, routed = dispatch(hidden, index, 4, dist.group.WORLD)
+            return combine(torch.tanh(rows) * 2.0, weights, routed)
+
+        hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        run = layer if ac is None else _checkpointed(layer, _sac_context if ac == "selective" else noop_context_fn)
+        with Reads() as reads, Exchanges() as exchanges:
+            run(hidden).pow(2).sum().backward()
+        got = hidden.grad.clone()
+        hidden.grad = None
+        layer(hidden).pow(2).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert reads.reads == 1, reads.reads
+    # forward: the counts and two token exchanges; backward: two; a recompute: the two token exchanges again
+    assert exchanges.count == (5 if ac is None else 7), exchanges.count
+    assert torch.allclose(got, hidden.grad)

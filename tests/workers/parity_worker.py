@@ -8,6 +8,7 @@ Rank 0 writes OUT_DIR/<name>.pt with losses, final full parameters, and per-rank
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from datetime import timedelta
@@ -25,6 +26,7 @@ import third_party  # noqa: E402
 from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, TokenDataset, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
+from cuboid.compat import CudaContracts  # noqa: E402
 from cuboid.measure import held_bytes  # noqa: E402
 
 
@@ -329,7 +331,13 @@ def run(spec: dict, out_dir: Path) -> None:
     fit_kwargs = {"weights_only": spec["weights_only"]} if "weights_only" in spec else {}
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    # context and expert parallel: every aten op Cuboid calls directly is held to its CUDA kernel's preconditions
+    # (not with compiled blocks: Dynamo does not trace under a dispatch mode; their attention runs eagerly anyway)
+    layout = spec.get("strategy", {})
+    parallel = layout.get("context_parallel", 1) > 1 or layout.get("expert_parallel", 1) > 1
+    checked = parallel and not layout.get("compile")
+    contracts = CudaContracts() if checked else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, contracts:
         warnings.simplefilter("always")
         resume = spec.get("resume_from")
         if resume and resume.startswith("auto:"):  # as the main job's ckpt_path=auto
@@ -382,6 +390,7 @@ def run(spec: dict, out_dir: Path) -> None:
             }
         ),
         "compiled_graphs": compiled_graphs,
+        "cuda_contracts": dict(contracts.checked) if checked else None,  # the ops checked, by name
         "stopped_at": trainer.global_step,
         "stopped_by": stopped_by,
         "skipped": list(strategy.nonfinite.skipped),
