@@ -19,6 +19,7 @@ from torch import nn
 from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
+from cuboid.context.attention import check_attention
 from cuboid.context.hf import use_cp_attention
 from cuboid.experts import expert_block
 from cuboid.fabric import CuboidStrategy as FabricStrategy
@@ -508,6 +509,17 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         _no_position_ids,
         ValueError,
         r"context_parallel needs the model's forward to take position_ids.*Embedding.forward",
+    ),
+    "attention dropout under context parallel": (
+        lambda: check_attention(_tiny_hf(attention_dropout=0.1), 2),
+        ValueError,
+        r"context_parallel=2 cannot split LlamaForCausalLM: its attention_dropout=0.1 has no block kernel.*"
+        r"Set config.attention_dropout=0.0",
+    ),
+    "a head dim no GPU attention kernel takes under context parallel": (
+        lambda: check_attention(_tiny_hf(head_dim=12), 2),
+        ValueError,
+        r"its head dim 12 is not a multiple of 8, which FlashAttention and the memory-efficient kernel need",
     ),
 }
 

@@ -54,6 +54,8 @@ LAYOUTS: dict[int, list[tuple[str, str, dict]]] = {
         ("pp2", "cuboid", {"pipeline_parallel": 2}),
         ("cp2", "cuboid", {"context_parallel": 2}),
         ("ep2", "cuboid", {"expert_parallel": 2}),
+        ("ep2-ac_selective", "cuboid", {"expert_parallel": 2, "activation_checkpointing": "selective"}),
+        ("ep2-ac_full", "cuboid", {"expert_parallel": 2, "activation_checkpointing": "full"}),
         ("dp2", "lightning_mp", {}), ("tp2", "lightning_mp", {"tensor_parallel_size": 2})],
     4: [("dp2xtp2", "cuboid", {"tensor_parallel": 2}), ("pp2xdp2", "cuboid", {"pipeline_parallel": 2}),
         ("pp2xdp2-reshard", "cuboid", {"pipeline_parallel": 2, "reshard_after_forward": True}),
