@@ -60,14 +60,12 @@ def flight_recorder_env(dump_dir: Path, entries: int, backend: str) -> None:
 
 
 def known_groups(mesh: Any, names: list[str], others: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """Process-group name -> (what it is, the group) for this rank: each mesh dimension (flattened names beside the
-    dimension they share a group with) and ``others`` (label -> group: Cuboid's host group, the world)."""
-    dims: dict[str, list[str]] = {}
+    """Process-group name -> (what it is, the group) for this rank: each mesh dimension, by the first of ``names``
+    that answers with its group (a flattened view over one dimension's ranks shares that dimension's group and
+    name), and ``others`` (label -> group: Cuboid's host group, the world)."""
     found: dict[str, tuple[str, Any]] = {}
     for name, group in dim_groups(mesh, names):
-        dims.setdefault(group.group_name, []).append(name)
-        label = " / ".join(repr(n) for n in dims[group.group_name])
-        found[group.group_name] = (f"mesh dimension {label}", group)
+        found.setdefault(group.group_name, (f"mesh dimension {name!r}", group))
     for label, group in others.items():
         if group is not None and group.group_name not in found:
             found[group.group_name] = (label, group)

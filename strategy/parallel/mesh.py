@@ -140,15 +140,22 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     ModelParallelStrategy names, so a ``configure_model`` written for it runs unchanged:
     ``mesh["data_parallel"]`` (= dp) and ``mesh["tensor_parallel"]`` (= tp). Cuboid keeps every flattened view
     it makes and finds it with :func:`submesh` (torch deprecates looking them up on the root mesh). A view over the
-    same ranks as a dim or another view shares its process group (:func:`_view`, ``compat.name_mesh``): only HSDP
-    with cp makes groups beyond the five dims' and the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` it needs.
+    same ranks as a dim or another view shares its process group (:func:`_view`, ``compat.name_mesh``), but for
+    ``dp_shard_cp`` under cp (FSDP's all-gathers keep a communicator apart from cp's exchange).
     """
     mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=MESH_DIMS)
-    dp = _view(mesh, DP_DIMS, "dp")
+    spans: dict[tuple[str, ...], DeviceMesh] = {}  # the dims of more than one rank a view covers -> the view
+    dp = _view(mesh, DP_DIMS, "dp", spans)
+    # FSDP's all-gathers under cp get a communicator of their own, not cp's (its K/V exchange would queue behind
+    # FSDP's prefetches on one NCCL communicator; torchtitan keeps dp_shard_cp apart too)
+    if layout.cp > 1:
+        shard_cp = flatten_mesh(mesh[SHARD_CP_DIMS], "dp_shard_cp")
+    else:
+        shard_cp = _view(mesh, SHARD_CP_DIMS, "dp_shard_cp", spans)
     views: dict[str | tuple[str, ...], DeviceMesh] = {
         "dp": dp,
-        "dp_shard_cp": _view(mesh, SHARD_CP_DIMS, "dp_shard_cp"),
-        "dp_cp": _view(mesh, TOKEN_DIMS, "dp_cp"),  # dp without cp, cp without dp
+        "dp_shard_cp": shard_cp,
+        "dp_cp": _view(mesh, TOKEN_DIMS, "dp_cp", spans),  # dp without cp, cp without dp
         "data_parallel": name_mesh(dp, "data_parallel"),  # the same ranks as dp: its process group, not a new one
         "tensor_parallel": name_mesh(mesh["tp"], "tensor_parallel"),
     }
@@ -160,14 +167,21 @@ def build_device_mesh(layout: Layout, device_type: str) -> tuple[DeviceMesh, Dev
     return mesh, views["dp"]
 
 
-def _view(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+def _view(mesh: DeviceMesh, dims: tuple[str, ...], name: str, spans: dict[tuple[str, ...], DeviceMesh]) -> DeviceMesh:
     """``dims`` as one named 1-D mesh. A new process group (one more NCCL communicator) only where two or more of
-    them span several ranks; otherwise the one dim that does (or the last) answers under the new name, over its
-    own group: ``dp`` is ``dp_shard`` without replicas, ``dp_shard_cp`` is ``dp_shard`` without cp."""
-    spanning = [d for d in dims if mesh[d].size() > 1]
-    if len(spanning) > 1:
-        return flatten_mesh(mesh[dims], name)
-    return name_mesh(mesh[spanning[0] if spanning else dims[-1]], name)
+    them span several ranks and no view in ``spans`` covers the same ones; otherwise that view, or the one dim that
+    spans (or the last), answers under the new name, over its own group: ``dp`` is ``dp_shard`` without replicas,
+    ``dp_cp`` is ``dp`` without cp."""
+    spanning = tuple(d for d in dims if mesh[d].size() > 1)
+    if spanning in spans:
+        return name_mesh(spans[spanning], name)
+    view = (
+        flatten_mesh(mesh[dims], name)
+        if len(spanning) > 1
+        else name_mesh(mesh[spanning[0] if spanning else dims[-1]], name)
+    )
+    spans[spanning] = view
+    return view
 
 
 def submesh(mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
