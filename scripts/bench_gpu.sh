@@ -9,7 +9,7 @@
 #
 #     bash scripts/bench_gpu.sh 1        # install, env, attention, sync audit, eager throughput
 #     bash scripts/bench_gpu.sh 2        # install, compile, compile + selective AC, weights, checkpoint, offload
-#     bash scripts/bench_gpu.sh --tiny 1 # the same checks on CPU with the debug model (CI runs both parts)
+#     bash scripts/bench_gpu.sh --tiny   # both parts on CPU with the debug model, one after the other (CI)
 #
 # Part 1 (limit s): install 30, env 15, attention 45, sync_audit 45, throughput eager 50: 185 + 5 x 5 = 210.
 # Part 2: install 30, compiled 60, compiled + selective AC 55, weights local 30, weights rank0 30, checkpoint 30,
@@ -31,9 +31,11 @@ for arg in "$@"; do
         ;;
     esac
 done
-if [ -z "$PART" ]; then
-    echo "bench_gpu: say which part to run: bash scripts/bench_gpu.sh 1 (then 2)" >&2
-    exit 2
+if [ -z "$PART" ]; then # both parts, one after the other (on a GPU machine, run them as two commands)
+    bash "$0" "$@" 1
+    first=$?
+    bash "$0" "$@" 2
+    exit $((first || $?))
 fi
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
