@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -24,6 +26,7 @@ from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.parallel import materialize, plans
 from cuboid.parallel.mesh import fsdp_mesh
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, Part, parallelize
+from cuboid.parallel.units import choose_units
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,15 @@ class ParallelSettings:
         """The settings on ``mesh``'s ``tp`` dimension and its FSDP dimensions."""
         return cls(tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh(mesh), **kwargs)
 
-    def apply(self, parts: Sequence[Part], tp_root: nn.Module, matched: Mapping[str, tuple[nn.Module, str]]) -> None:
-        """Parallelize ``parts`` (FSDP roots with their blocks), the plan ``matched`` naming modules of ``tp_root``."""
+    def apply(
+        self,
+        parts: Sequence[Part],
+        tp_root: nn.Module,
+        matched: Mapping[str, tuple[nn.Module, str]],
+        step_root: nn.Module | None = None,
+    ) -> None:
+        """Parallelize ``parts`` (FSDP roots with their blocks), the plan ``matched`` naming modules of ``tp_root``;
+        ``step_root``: the part root gathered for each whole step (the LightningModule)."""
         parallelize(
             parts,
             tp_root=tp_root,
@@ -58,6 +68,7 @@ class ParallelSettings:
             reshard_after_forward=self.reshard_after_forward,
             cpu_offload=self.cpu_offload,
             experts=self.experts,
+            step_root=step_root,
         )
 
 
@@ -109,10 +120,22 @@ def prepare_weights(
     return weights
 
 
-def _lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> list[Part]:
-    """The FSDP roots of a LightningModule (its top-level children with parameters), each with its blocks."""
-    roots = [(name, child) for name, child in lm.named_children() if any(True for _ in child.parameters())]
-    return [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in roots]
+def _lightning_parts(lm: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[Part], nn.Module | None]:
+    """The FSDP units of a LightningModule, each with its blocks (:mod:`cuboid.parallel.units`): its top-level
+    children that can be units, then, last, the LightningModule itself with the blocks no unit holds (returned too:
+    the root unit, gathered for each step). A module that is not a LightningModule (Fabric's holder, never called
+    itself) is no unit: its top-level children are. What is kept whole in the root is said in one line."""
+    units, kept = choose_units(lm, blocks)
+    parts: list[Part] = [(root, [b for b in blocks if b[0].startswith(f"{name}.")]) for name, root in units]
+    if not isinstance(lm, LightningModule):
+        return parts, None
+    held = {id(b) for _, part_blocks in parts for b in part_blocks}
+    parts.append((lm, [b for b in blocks if id(b) not in held]))
+    if kept:
+        rank_zero_info(
+            f"Cuboid: kept in the LightningModule's own FSDP unit, gathered for each step: {'; '.join(kept)}"
+        )
+    return parts, lm
 
 
 def parallelize_plain(
@@ -121,8 +144,9 @@ def parallelize_plain(
     matched: Mapping[str, tuple[nn.Module, str]],
     settings: ParallelSettings,
 ) -> None:
-    """Without pipeline parallelism: each top-level child with parameters becomes an FSDP root with its blocks."""
-    settings.apply(_lightning_parts(lm, blocks), lm, matched)
+    """Without pipeline parallelism: the LightningModule's units (:func:`_lightning_parts`), each with its blocks."""
+    parts, step_root = _lightning_parts(lm, blocks)
+    settings.apply(parts, lm, matched, step_root)
 
 
 def finish_weights(
@@ -163,9 +187,9 @@ def _report_stray_parameters(lm: nn.Module) -> list[str]:
         listed = ", ".join(f"{n} ({p.numel():,} elements)" for n, p in stray[:10])
         warnings.warn(
             f"{len(stray)} parameter(s) outside every FSDP unit, replicated whole on every rank (their gradients "
-            f"are averaged over the data-parallel ranks, as DDP does): {listed}. Cuboid shards the top-level "
-            "submodules of the LightningModule and their blocks; move these into a submodule (e.g. "
-            "self.head = nn.Linear(...)) to shard them.",
+            f"are averaged over the data-parallel ranks, as DDP does): {listed}. FSDP2 shards no 0-d parameter "
+            "(make it a 1-element tensor, torch.ones(1), to shard it), and under Fabric a parameter the set-up "
+            "module holds itself belongs to no unit (move it into a submodule, e.g. self.head = nn.Linear(...)).",
             stacklevel=2,
         )
     return [n for n, _ in stray]

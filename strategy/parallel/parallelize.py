@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
@@ -28,6 +35,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
 from cuboid.experts import ExpertParallelError, RoutingReplay, distribute_experts, experts_modules
 from cuboid.parallel.styles import PlanError
+from cuboid.parallel.units import STEP_METHODS
 
 ACMode = Literal["full", "selective"]
 
@@ -253,9 +261,13 @@ def apply_fsdp(
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
     experts: ExpertsLayout | None = None,
+    step_root: nn.Module | None = None,
 ) -> None:
     """FSDP2 per block, then on each part's root; prefetch the neighbouring block's all-gather. Under expert
-    parallel each MoE layer's experts get their own FSDP unit first, over ``experts.fsdp_mesh``.
+    parallel each MoE layer's experts get their own FSDP unit first, over ``experts.fsdp_mesh``. ``step_root`` (the
+    LightningModule, the last part's root) is gathered for each whole step: its step methods are its forward
+    methods, it is not resharded between forward and backward, and its parameters keep their dtype and its inputs
+    theirs (what it holds is what no other unit could: a DDP project's modules, in their own precision).
 
     Each block's parameters are all-gathered right before its forward and freed after it
     (``reshard_after_forward=True``; the last block stays gathered until its backward, which follows at
@@ -264,7 +276,9 @@ def apply_fsdp(
     (embeddings, final norm, head) and is kept unsharded between forward and backward.
     """
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    # FSDP2 takes no 0-d parameter (a learned temperature): such stay whole, their gradients averaged as DDP's
+    scalars = {p for root, _ in parts for p in root.parameters() if p.dim() == 0} or None
+    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, ignored_params=scalars)
     for root, blocks in parts:
         for i, (_, block) in enumerate(blocks):
             # The last block's backward comes right after its forward (only the head's lies between): resharding
@@ -280,7 +294,14 @@ def apply_fsdp(
                     # 2.13's FSDP would divide twice.)
                     module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
             shard(block, reshard_after_forward=False if last else reshard_after_forward)
-        shard(root)
+        if root is step_root:
+            whole = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
+            fully_shard(root, mesh=dp_mesh, mp_policy=whole, offload_policy=offload, reshard_after_forward=False,
+                        ignored_params=scalars)  # fmt: skip
+            for method in STEP_METHODS:
+                register_fsdp_forward_method(root, method)
+        else:
+            shard(root)
         sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
         for prev, nxt in zip(sharded, sharded[1:], strict=False):
             prev.set_modules_to_forward_prefetch([nxt])
@@ -300,6 +321,7 @@ def parallelize(
     reshard_after_forward: bool | int,
     cpu_offload: bool,
     experts: ExpertsLayout | None = None,
+    step_root: nn.Module | None = None,
 ) -> None:
     """Apply TP -> EP -> AC -> compile -> FSDP2, in that order: tensor parallel first (DTensor parameters), then
     the experts' split, checkpointing and compilation of the sharded blocks, FSDP2 last (it shards whatever TP and
@@ -314,7 +336,7 @@ def parallelize(
     apply_ac(blocks, activation_checkpointing)
     if compile:
         apply_compile(blocks)
-    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload, experts)
+    apply_fsdp(parts, dp_mesh, mp_policy, reshard_after_forward, cpu_offload, experts, step_root)
 
 
 def check_no_fsdp1(module: nn.Module) -> None:

@@ -169,8 +169,10 @@ def test_a_plan_that_does_not_divide_fails_in_the_dry_run() -> None:
 
 @pytest.mark.slow
 def test_stray_parameter_is_reported_and_kept_in_step(tmp_path) -> None:
-    """A parameter on the LightningModule itself is outside every FSDP unit: a warning names it and its size, and
-    its gradient is averaged over dp, so dp2 trains like one process (without the averaging each rank drifts)."""
+    """A 0-d parameter on the LightningModule itself (a learned temperature), which FSDP2 cannot shard: it stays
+    whole outside every FSDP unit, a warning names it and its size, and its gradient is averaged over dp, so dp2
+    trains like one process (without the averaging each rank drifts). The rest of what the LightningModule holds
+    itself is in its own unit (cuboid.parallel.units)."""
     import json
 
     from harness import WORKERS, torchrun

@@ -1,0 +1,123 @@
+"""Small LightningModules with the shapes that libraries built on Lightning give their models (pytorch-forecasting,
+gluonts, darts), written with no thought of Cuboid: what ``fully_shard`` cannot take as a unit of its own.
+
+- ``root_moduledict``: a ``ModuleDict`` of layers as a top-level child (TemporalFusionTransformer's prescalers), and a
+  parameter the LightningModule holds itself;
+- ``root_modulelist``: a ``ModuleList`` of layers of different classes as a top-level child;
+- ``abc_lstm``: an ``nn.LSTM`` subclass with an ``ABC`` base first (pytorch-forecasting's ``LSTM(RNN, nn.LSTM)``,
+  ``RNN(ABC, nn.RNNBase)``), whose class ``fully_shard`` cannot swap;
+- ``method_step``: a step that calls a method other than ``forward`` of its model (gluonts' ``self.model.loss(...)``).
+
+Each regresses 8 features to 1 on the same random data.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEATURES = 8
+
+
+class _Regression(L.LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.step_losses: list[float] = []
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.step_losses.append(float(loss))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class RootModuleDict(_Regression):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.prescalers = nn.ModuleDict({f"f{i}": nn.Linear(1, 4) for i in range(FEATURES)})
+        self.head = nn.Linear(4 * FEATURES, 1)
+        self.scale = nn.Parameter(torch.ones(1))  # held by the LightningModule itself
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = [self.prescalers[f"f{i}"](x[:, i : i + 1]) for i in range(FEATURES)]
+        return self.head(torch.relu(torch.cat(scaled, -1))) * self.scale
+
+
+class RootModuleList(_Regression):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.layers = nn.ModuleList([nn.Linear(FEATURES, 16), nn.LayerNorm(16), nn.Linear(16, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[2](torch.relu(self.layers[1](self.layers[0](x))))
+
+
+class Recurrent(ABC, nn.LSTM):
+    """An LSTM with an ABC base first, as pytorch-forecasting writes its own."""
+
+
+class AbcLstm(_Regression):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.rnn = Recurrent(input_size=1, hidden_size=8, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x.unsqueeze(-1))
+        return self.out(out[:, -1])
+
+
+class Net(nn.Module):
+    """A model whose training goes through ``loss``, not ``forward`` (gluonts' shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.body(x), y)
+
+
+class MethodStep(_Regression):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.model = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return self.model.loss(x, y)
+
+
+PATTERNS = {"root_moduledict": RootModuleDict, "root_modulelist": RootModuleList, "abc_lstm": AbcLstm,
+            "method_step": MethodStep}  # fmt: skip
+
+
+def data(n: int = 64) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (x[:, :3].sum(-1, keepdim=True) * 0.5 + torch.sin(x[:, 3:4])).detach()
+    return torch.utils.data.TensorDataset(x, y)

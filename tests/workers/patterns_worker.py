@@ -1,0 +1,89 @@
+"""The modules of ``patterns.py`` under Lightning's DDP and under Cuboid, in one torchrun launch.
+
+Usage: torchrun --nproc-per-node 2 patterns_worker.py OUT_DIR RUNS_JSON
+RUNS_JSON: a list of {"name", "strategy": "ddp" | "cuboid", "module": a name of ``patterns.PATTERNS``}.
+Each spec fits 2 epochs (8 steps each, ``ModelCheckpoint`` on ``val_loss``) and rank 0 writes OUT_DIR/<name>.pt with
+each rank's step losses, the final weights (whole), the best checkpoint's path, and what the reloads DDP-era code
+does gave: ``load_from_checkpoint(best)``'s weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_lib import each_spec  # noqa: E402
+from patterns import PATTERNS, data  # noqa: E402
+
+import cuboid  # noqa: E402, F401  (registers strategy="cuboid")
+
+
+def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run(spec: dict, out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    cls = PATTERNS[spec["module"]]
+    module = cls()
+    ckpt = ModelCheckpoint(dirpath=out / spec["name"], monitor="val_loss", save_top_k=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=spec["strategy"], max_epochs=2,
+        limit_train_batches=8, callbacks=[ckpt], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out / spec["name"],
+    )  # fmt: skip
+    loader = DataLoader(data(), batch_size=4, shuffle=True)
+    log: list[str] = []
+    handler = _Lines(log)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader, DataLoader(data(32), batch_size=4))
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, module.step_losses)
+    final = whole(module)
+    result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
+              "warnings": [str(w.message) for w in caught], "log": log}  # fmt: skip
+    if dist.get_rank() == 0:
+        try:  # as DDP-era code reloads its best weights
+            result["reloaded"] = {
+                k: v.detach() for k, v in cls.load_from_checkpoint(ckpt.best_model_path).state_dict().items()
+            }
+        except Exception as err:  # noqa: BLE001  (what it gave is the result)
+            result["reloaded"] = f"{type(err).__name__}: {err}"
+        torch.save(result, out / f"{spec['name']}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for spec in each_spec(sys.argv[2]):
+        run(spec, out)
+
+
+if __name__ == "__main__":
+    main()
