@@ -290,6 +290,26 @@ def test_fake_process_group_builds_meshes_in_one_process() -> None:
     assert out.stdout.split() == ["16", "4"]
 
 
+def test_the_weights_only_a_user_passed_is_read_where_lightning_drops_it() -> None:
+    """Lightning's ``Trainer._run`` restores a strategy that restores after setup without passing ``weights_only``
+    on (``_restore_modules_and_callbacks(ckpt_path)``); ``compat.requested_weights_only`` reads it from ``_run``'s
+    frame. Pinned both ways: Lightning still drops it there (when it stops, Cuboid can take what it is given), and the
+    frame's local is found from below it."""
+    import inspect
+
+    from lightning.pytorch.trainer import trainer as trainer_module
+
+    source = inspect.getsource(trainer_module.Trainer._run)
+    if "weights_only" in inspect.signature(trainer_module.Trainer._run).parameters:  # Lightning 2.6: it drops it
+        assert "self._checkpoint_connector._restore_modules_and_callbacks(ckpt_path)\n" in source
+    # (Lightning 2.5, the floor, takes no weights_only in its Trainer: there is nothing to read)
+
+    namespace = {"__name__": "lightning.pytorch.trainer.trainer", "compat": compat}
+    exec("def _run(weights_only):\n    return (lambda: compat.requested_weights_only())()", namespace)
+    assert namespace["_run"](False) is False and namespace["_run"](None) is None
+    assert compat.requested_weights_only() is None
+
+
 def test_a_named_mesh_view_shares_its_process_group_and_the_root_finds_it_by_name() -> None:
     """``compat.name_mesh`` gives a 1-D mesh a second name over the same process group (``_flatten`` makes a new
     group every time, even over the ranks of an existing dim: one more NCCL communicator each), filed on the root

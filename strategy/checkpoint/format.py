@@ -266,22 +266,24 @@ def remove_path(path: Path) -> None:
 
 
 def load_pickled(path: Path, weights_only: bool | None, mmap: bool = False) -> dict[str, Any]:
-    """``torch.load`` of Lightning's state (loops, callbacks, hyper-parameters), ``weights_only`` by default.
+    """``torch.load`` of Lightning's state (loops, callbacks, hyper-parameters), with ``weights_only`` as given.
 
-    Lightning's state is pickled: only objects torch deems safe load unless ``weights_only=False``
-    is passed (as ``trainer.fit(..., weights_only=False)``), which can run code from the file.
+    Lightning's state is pickled: only objects torch deems safe load unless ``weights_only=False`` is passed (as
+    ``trainer.fit(..., weights_only=False)``), which can run code from the file. ``None`` is passed on as it is, as
+    Lightning's own strategies pass it: torch's default then applies, with its environment switches
+    (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, which torch honours only for a caller that left it unset).
     """
-    safe = True if weights_only is None else weights_only
     try:
-        return torch.load(path, map_location="cpu", weights_only=safe, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
-        if not safe:
+        if weights_only is False:
             raise CheckpointError(f"could not unpickle {path} (corrupted?): {err}") from err
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         raise CheckpointError(
             f"{path} holds pickled objects that a weights-only load refuses ({', '.join(unsafe[:4]) or 'see torch'}), "
             "e.g. in the LightningModule's hyper-parameters. If the checkpoint comes from a place you trust, load it "
-            "with trainer.fit(..., weights_only=False) (trainer.validate/test/predict take it too)."
+            "with trainer.fit(..., weights_only=False) (trainer.validate/test/predict take it too), or set "
+            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1."
         ) from None
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err

@@ -70,6 +70,8 @@ class CheckpointHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         path, strict = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
+        if weights_only is None:  # Lightning drops the user's for a strategy that restores after setup
+            weights_only = compat.requested_weights_only()
         dp = self.distributed_sampler_kwargs
         self.checkpointer.dp = (dp["rank"], dp["num_replicas"])
         return self.checkpointer.load(path, self.model, self.optimizers, strict, weights_only)

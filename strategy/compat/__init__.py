@@ -18,6 +18,7 @@ custom tensor-parallel style implements, in tp_styles.py).
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -200,6 +201,20 @@ def pending_checkpoint(trainer: Any) -> Any:
             return frame.f_locals.get("ckpt_path", UNKNOWN)
         frame = frame.f_back
     return UNKNOWN
+
+
+def requested_weights_only() -> bool | None:
+    """The ``weights_only`` the user passed to ``trainer.fit/validate/test/predict``. Lightning 2.5-2.6 drops it for a
+    strategy that restores after setup (``Trainer._run``: ``_restore_modules_and_callbacks(ckpt_path)``, without
+    it: Lightning's own FSDP and ModelParallel strategies are served the same), so ``load_checkpoint`` receives
+    None; it is read from ``_run``'s frame, the caller above. None where there is none (pinned in
+    tests/test_compat.py, which says when Lightning passes it on)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and frame.f_globals.get("__name__", "").endswith("trainer.trainer"):
+            return frame.f_locals.get("weights_only")
+        frame = frame.f_back
+    return None
 
 
 # --- torch -----------------------------------------------------------------------------------------------------

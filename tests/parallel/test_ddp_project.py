@@ -14,15 +14,16 @@ from parity_lib import LOSS_RTOL, PARAM_ATOL
 from torch import nn
 
 RUNS = {"ddp": ["ddp"], "cuboid": ["cuboid"], "cuboid_syncbn": ["cuboid", "sync_batchnorm"],
-        "single_syncbn": ["single", "sync_batchnorm"]}  # fmt: skip
+        "single_syncbn": ["single", "sync_batchnorm"], "cuboid_env": ["cuboid", "env_load"]}  # fmt: skip
+ENV = {"cuboid_env": {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("dense_project")
-    for args in RUNS.values():
+    for tag, args in RUNS.items():
         run_checked([sys.executable, str(WORKERS / "dense_project_worker.py"), str(out), *args], timeout=300,
-                    env=worker_env(), cwd=WORKERS)  # fmt: skip
+                    env={**worker_env(), **ENV.get(tag, {})}, cwd=WORKERS)  # fmt: skip
     ranks = {"single_syncbn": 1}
     return {tag: [torch.load(out / f"{tag}_rank{r}.pt", weights_only=False) for r in range(ranks.get(tag, 2))]
             for tag in RUNS}  # fmt: skip
@@ -58,6 +59,19 @@ def test_cuboid_equals_ddp_in_training_validation_and_checkpoints(runs, rank: in
     assert _param_err(cuboid["resumed_params"], ddp["resumed_params"]) <= PARAM_ATOL
     left_out = [w for w in cuboid["warnings"] if "hyper-parameter 'net' is left out of checkpoints" in w]
     assert len(left_out) == (1 if rank == 0 else 0), cuboid["warnings"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_weights_only_left_unset_is_torchs_default_and_its_switch_applies(runs, rank: int) -> None:
+    """The template's eval and sweep jobs load the best checkpoint with ``weights_only`` unset and
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, which torch honours only when the caller leaves it unset (DDP does):
+    under Cuboid ``trainer.test(ckpt_path="best")`` and the resume load as under DDP, with DDP's numbers (Cuboid
+    turned an unset ``weights_only`` into True before, and refused the checkpoint)."""
+    env, ddp = runs["cuboid_env"][rank], runs["ddp"][rank]
+    assert _rel(_metrics([env["test"]]), _metrics([ddp["test"]])) <= LOSS_RTOL
+    assert env["resumed_steps"] == ddp["resumed_steps"] == 32
+    assert _param_err(env["resumed_params"], ddp["resumed_params"]) <= PARAM_ATOL
 
 
 @pytest.mark.slow

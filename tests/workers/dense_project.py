@@ -1,8 +1,13 @@
 """A common Lightning + Hydra project's model, written with no thought of Cuboid: the network is built by Hydra and
-handed to the LightningModule, which saves it among its hyper-parameters; BatchNorm; ``ReduceLROnPlateau`` on
+handed to the LightningModule, which saves it among its hyper-parameters, and so is its optimizer (a Hydra partial,
+pickled into every checkpoint: a weights-only load refuses it); BatchNorm; ``ReduceLROnPlateau`` on
 ``val/loss``; ``ModelCheckpoint`` on ``val/acc`` (the shape of the popular project templates)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,7 +33,7 @@ class SimpleDenseNet(nn.Module):
 
 
 class ClassifierModule(L.LightningModule):
-    def __init__(self, net: nn.Module, lr: float = 0.05) -> None:
+    def __init__(self, net: nn.Module, lr: float = 0.05, optimizer: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net = net
@@ -66,6 +71,7 @@ class ClassifierModule(L.LightningModule):
             self.epoch_metrics.append({k: float(v) for k, v in metrics.items() if k.startswith(("val/", "train/"))})
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        make = self.hparams.optimizer or partial(torch.optim.SGD, momentum=0.9)  # Hydra's _partial_: a partial
+        opt = make(self.parameters(), lr=self.hparams.lr)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}}

@@ -1,12 +1,13 @@
 """Train :mod:`dense_project` the way such a project runs, switched between strategies by one argument.
 
-    python dense_project_worker.py OUT_DIR {ddp|cuboid|single} [sync_batchnorm]
+    python dense_project_worker.py OUT_DIR {ddp|cuboid|single} [sync_batchnorm] [env_load]
 
 ``ddp`` and ``cuboid`` run on 2 processes (Lightning's launcher), ``single`` on one with twice the per-rank batch
 (the global batch). The network comes from Hydra's ``instantiate``. Fit 3 epochs with ``ModelCheckpoint`` on
 ``val/acc``, test the best checkpoint, then resume from it for one more epoch. Each rank writes
 OUT_DIR/<tag>_rank<r>.pt: its per-step losses, the epoch metrics, the test metrics, the final parameters and buffers
-(whole), what was saved, and the warnings it saw.
+(whole), what was saved, and the warnings it saw. ``env_load``: the checkpoints are loaded with ``weights_only`` left
+unset (the caller sets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, as the template's users do).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import cuboid  # noqa: F401  (registers strategy="cuboid")
 
 SEED = 7
 NET = {"_target_": "dense_project.SimpleDenseNet", "input_size": 16, "hidden": 32, "output_size": 4}
+OPTIMIZER = {"_target_": "torch.optim.SGD", "_partial_": True, "momentum": 0.9}
 
 
 def loaders(per_rank_batch: int, single: bool) -> tuple[DataLoader, DataLoader]:
@@ -53,13 +55,15 @@ def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main() -> None:
     out, kind = Path(sys.argv[1]), sys.argv[2]
     sync_bn = "sync_batchnorm" in sys.argv[3:]  # for "single": the reference for it (one process, the global batch)
-    tag = kind + ("_syncbn" if sync_bn else "")
+    # as the template's users run its eval and sweep jobs: weights_only left unset, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1
+    env_load = "env_load" in sys.argv[3:]
+    tag = kind + ("_syncbn" if sync_bn else "") + ("_env" if env_load else "")
     devices, batch = (1, 16) if kind == "single" else (2, 8)
     strategy = {"ddp": "ddp", "cuboid": "cuboid", "single": "auto"}[kind]
     seen: list[str] = []
     warnings.showwarning = lambda message, category, *a, **k: seen.append(f"{category.__name__}: {message}")
     L.seed_everything(SEED)
-    module = ClassifierModule(instantiate(NET))
+    module = ClassifierModule(instantiate(NET), optimizer=instantiate(OPTIMIZER))
     ckpt = ModelCheckpoint(dirpath=out / tag, monitor="val/acc", mode="max", save_top_k=1, filename="best-{epoch}")
 
     def trainer(max_epochs: int) -> L.Trainer:
@@ -74,11 +78,12 @@ def main() -> None:
     fit.fit(module, train, val)
     # weights_only=False: under DDP the checkpoint pickles the network held in the hyper-parameters, which torch's
     # default (weights_only) refuses to unpickle; such a project passes it, so every strategy here gets it.
-    tested = fit.test(module, val, ckpt_path="best", verbose=False, weights_only=False)[0]
+    load = {} if env_load else {"weights_only": False}
+    tested = fit.test(module, val, ckpt_path="best", verbose=False, **load)[0]
     best = ckpt.best_model_path
-    resumed = ClassifierModule(instantiate(NET))
+    resumed = ClassifierModule(instantiate(NET), optimizer=instantiate(OPTIMIZER))
     again = trainer(4)
-    again.fit(resumed, train, val, ckpt_path=best, weights_only=False)
+    again.fit(resumed, train, val, ckpt_path=best, **load)
     result = {
         "losses": module.step_losses,
         "epochs": module.epoch_metrics,
