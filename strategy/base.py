@@ -10,6 +10,7 @@ one set of settings (:meth:`MeshCollectives.parallel_settings`). The degrees liv
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -38,9 +39,12 @@ from cuboid.parallel import (
     ParallelSettings,
     check_ac_mode,
     check_plan_styles,
+    choose_replication,
     finish_weights,
+    has_unused_parameters,
     parallelize_plain,
     prepare_weights,
+    replicate_module,
     submesh,
 )
 from cuboid.step import CuboidPrecision
@@ -337,6 +341,40 @@ class MeshCollectives:
 
 
 class MeshStrategy(MeshCollectives, ParallelStrategy):
+    _unsharpened_steps: int | None = None  # under DDP: batches seen while it still looks for unused parameters
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none."""
+        if self._unsharpened_steps is None:
+            return
+        self._unsharpened_steps += 1
+        if self._unsharpened_steps == 2:
+            self._unsharpened_steps = None
+            if not has_unused_parameters(self.model, self.dp_group, self.root_device):
+                lm = self.model.module
+                self.model = lm  # the first DDP goes, and its reducer's hooks with it, before the next one
+                gc.collect()
+                self.model = replicate_module(lm, self.dp_group, self.root_device, find_unused=False)
+
+    def replicate_if_it_fits(self, lm: nn.Module, **asked: Any) -> bool:
+        """The default data-parallel layout (:mod:`cuboid.parallel.replicate`): ``lm`` under DDP when it fits each
+        process with room to spare and nothing else is asked for (``asked``: settings that ask for sharding, by
+        name); the choice said in one line. True when replicated."""
+        layout = self.layout
+        sizes = {"pipeline_parallel": layout.pp, "data_parallel_replicate": layout.dp_replicate,
+                 "tensor_parallel": layout.tp, "context_parallel": layout.cp, "expert_parallel": layout.ep}  # fmt: skip
+        choice = choose_replication(lm, self.root_device, self.num_processes, sizes, cpu_offload=self.cpu_offload,
+                                    pretrained=self.pretrained, **asked)  # fmt: skip
+        rank_zero_info(f"Cuboid: data parallel, {choice.reason}")
+        if not choice.replicate:
+            return False
+        self.model = replicate_module(lm, self.dp_group, self.root_device)
+        self._unsharpened_steps = 0
+        if self.precision_plugin.precision == "bf16-mixed":  # what FSDP2 casts under sharding, autocast does here
+            self.precision_plugin.autocast_device = self.root_device.type
+        return True
+
     """The Trainer's ``ParallelStrategy`` on one device mesh: ``reduce`` (``self.log(sync_dist=True)``) averages
     over ``dp``; the precision plugin is always a :class:`~cuboid.step.precision.CuboidPrecision`."""
 

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from cuboid import compat
 from cuboid.base import MeshStrategy
-from cuboid.checkpoint import Checkpointer, CheckpointHooks, restored_names
+from cuboid.checkpoint import Checkpointer, CheckpointHooks
 from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
 from cuboid.measure import Estimate, check_fits, device_bytes, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
@@ -66,8 +66,11 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             ``training_step``/``validation_step`` run per microbatch on the last stage, unchanged, as long as they
             call ``self.model(...)`` once and issue no collectives (``docs/pipeline.md``).
         data_parallel_replicate: HSDP replicas (``dp_replicate``); ``1`` = plain FSDP.
-        data_parallel_shard: FSDP shard group (``dp_shard``); ``"auto"`` fills the world size. On a GPU, a layout
-            whose parameters and gradients alone exceed the device is refused before anything is materialized.
+        data_parallel_shard: FSDP shard group (``dp_shard``); ``"auto"`` fills the world size. Left unset, a model
+            whose weights, gradients and Adam state fit a quarter of each process's memory, with nothing but data
+            parallel asked for, is replicated as DDP does (torch's ``DistributedDataParallel``: sharding it buys
+            nothing), a larger one sharded as ``"auto"`` (``docs/parallelism.md``). On a GPU, a layout whose
+            parameters and gradients alone exceed the device is refused before anything is materialized.
         tensor_parallel: Tensor-parallel degree (``tp``), the innermost dim: keep it within a node.
         context_parallel: Context-parallel degree (``cp``): each sequence split over ``cp`` ranks, load-balanced for
             causal attention; FSDP shards over ``dp_shard x cp``; the step is unchanged (``docs/context.md``).
@@ -94,7 +97,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         compile: ``torch.compile`` each block (in place, parameter names unchanged).
         async_checkpoint: Write checkpoints in the background once the shards are in host memory.
         checkpoint_format: ``"sharded"`` (a DCP directory, every rank its shards) or ``"full"`` (one Lightning
-            file gathered on rank 0). Both resume on any layout, whichever is set (``docs/checkpoints.md``).
+            file gathered on rank 0, which ``torch.load`` and ``load_from_checkpoint`` read). Both resume on any
+            layout, whichever is set. Default: ``"full"`` for a replicated model, ``"sharded"`` otherwise
+            (``docs/checkpoints.md``).
         data_position: Where a mid-epoch resume starts: ``"exact"``, where the checkpoint was taken (on any dp
             degree for a loader Lightning deals with its ``DistributedSampler``; at the same degree for one that
             keeps per-rank state, another degree refused); ``"epoch"``, the interrupted epoch again from its start.
@@ -132,7 +137,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self,
         pipeline_parallel: int = 1,
         data_parallel_replicate: int = 1,
-        data_parallel_shard: int | Literal["auto"] = "auto",
+        data_parallel_shard: int | Literal["auto"] | None = None,
         tensor_parallel: int = 1,
         context_parallel: int = 1,
         expert_parallel: int = 1,
@@ -148,7 +153,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         cpu_offload: bool = False,
         compile: bool = False,
         async_checkpoint: bool = False,
-        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        checkpoint_format: Literal["sharded", "full"] | None = None,
         data_position: Literal["exact", "epoch"] = "exact",
         fault_tolerance: FaultTolerance | Mapping[str, Any] | None = None,
         pretrained: Mapping[str, str | Path | None] | None = None,
@@ -177,12 +182,14 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         pipelining_args = (pipeline_schedule, microbatches, virtual_stages, pipeline_split, reshard_after_forward)
         self.pipelining = Pipelining(self.dims, *pipelining_args, activation_checkpointing)
         self.reshard_after_forward = self.pipelining.reshard_after_forward
-        self._dp_shard_auto = data_parallel_shard == "auto"
+        self._dp_shard_auto = data_parallel_shard in ("auto", None)
+        self._replicate_if_it_fits = data_parallel_shard is None  # the default: replicated (DDP) if it fits
+        self._format_chosen = checkpoint_format is not None
         self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
-        self.checkpointer = Checkpointer(checkpoint_format, async_checkpoint, barrier=self.barrier)
+        self.checkpointer = Checkpointer(checkpoint_format or "sharded", async_checkpoint, barrier=self.barrier)
         self.checkpointer.data_position = data_position
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
@@ -207,6 +214,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        compat.set_num_threads_if_needed(self.num_processes)  # as Lightning's DDP: no rank takes every core
         trainer = getattr(self.lightning_module, "_trainer", None)
         root_dir = getattr(trainer, "default_root_dir", None) or os.getcwd()
         layout = self.start_mesh(
@@ -244,6 +252,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.pretrained)
+        elif self._replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
+            self.buffers = BufferBroadcast(False)  # DDP broadcasts them itself
+            self.checkpointer.format = self.checkpointer.format if self._format_chosen else "full"  # as DDP writes
         else:
             self._parallelize(lm, self._restored(trainer, lm))
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
@@ -257,27 +268,14 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
-            device_bytes = self._device_capacity()
-            if device_bytes is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
-                check_fits(lm, self.optimizers, device_bytes, f"The layout {self.layout.describe()}")
+            capacity = device_bytes(self.root_device, self.cpu_offload)
+            if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
+                check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         if fitting and self.replicas is not None:  # torchft's manager and the gradient average over groups
             self.replicas.start(trainer, self)
-
-    def _device_capacity(self) -> float | None:
-        return device_bytes(self.root_device, self.cpu_offload)
-
-    @staticmethod
-    def _restored(trainer: pl.Trainer, lm: pl.LightningModule) -> set[str]:
-        """The names a checkpoint about to be loaded (``fit``'s or ``validate``'s ``ckpt_path``, the main job's
-        ``auto``) fills, left uninitialised. Empty without one, under ``strict_loading=False``, or unknown."""
-        pending = compat.pending_checkpoint(trainer)
-        if pending is None or pending is compat.UNKNOWN or not lm.strict_loading:
-            return set()
-        rank_zero_info(f"Cuboid: the checkpoint {pending} fills the weights: they are not initialised first")
-        return restored_names(lm)
 
     def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
@@ -291,9 +289,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         lm = self.precision_plugin.convert_module(lm)
         blocks = find_blocks(lm, self.block_container)
         self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
-        device_bytes = self._device_capacity()
-        if device_bytes is not None:  # parameters and gradients alone cannot fit: refused before any allocation
-            refuse_if_too_big(self.fit_estimate, self.layout, device_bytes, self._dp_shard_auto)
+        capacity = device_bytes(self.root_device, self.cpu_offload)
+        if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
+            refuse_if_too_big(self.fit_estimate, self.layout, capacity, self._dp_shard_auto)
         build_stages = None
         if pipelined:
 

@@ -8,10 +8,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
+from cuboid.checkpoint.resume import restored_names
 
 
 class CheckpointHooks:
@@ -59,12 +61,22 @@ class CheckpointHooks:
         path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
         self.buffers.sync()
         self.checkpointer.save(
-            path, checkpoint, self.model, self.optimizers, trainer, self.layout.sizes, self.device_mesh
+            path, checkpoint, self._saved_module(), self.optimizers, trainer, self.layout.sizes, self.device_mesh
         )
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background (async) save has been written and renamed into place."""
         self.checkpointer.wait()
+
+    @staticmethod
+    def _restored(trainer: Any, lm: Any) -> set[str]:
+        """The names a checkpoint about to be loaded (``fit``'s or ``validate``'s ``ckpt_path``, the main job's
+        ``auto``) fills, left uninitialised. Empty without one, under ``strict_loading=False``, or unknown."""
+        pending = compat.pending_checkpoint(trainer)
+        if pending is None or pending is compat.UNKNOWN or not lm.strict_loading:
+            return set()
+        rank_zero_info(f"Cuboid: the checkpoint {pending} fills the weights: they are not initialised first")
+        return restored_names(lm)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -74,7 +86,14 @@ class CheckpointHooks:
             weights_only = compat.requested_weights_only()
         dp = self.distributed_sampler_kwargs
         self.checkpointer.dp = (dp["rank"], dp["num_replicas"])
-        return self.checkpointer.load(path, self.model, self.optimizers, strict, weights_only)
+        return self.checkpointer.load(path, self._saved_module(), self.optimizers, strict, weights_only)
+
+    def _saved_module(self) -> Any:
+        """The module whose state a checkpoint holds: the model, or under DDP the LightningModule it wraps (its
+        parameters by their own names)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return self.lightning_module if isinstance(self.model, DistributedDataParallel) else self.model
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -39,6 +39,11 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 # as ModelParallelStrategy does.
 from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module  # noqa: F401
 
+# Each process's intra-op threads, the host's cores over the node's processes, unless OMP_NUM_THREADS says: what
+# Lightning's script launcher does in every process it runs (its DDP keeps one launcher in each); Cuboid's children
+# and external launches (SLURM's srun) run without one.
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed  # noqa: F401
+
 # Per-rank RNG states in checkpoints, in the layout Lightning's own checkpoints use.
 from lightning.fabric.utilities.seed import _collect_rng_states as collect_rng_states  # noqa: F401
 from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states  # noqa: F401

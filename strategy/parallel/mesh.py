@@ -60,7 +60,10 @@ class Layout:
         ``data_parallel_shard``, ``context_parallel``, ``tensor_parallel``, ``expert_parallel``; one left out is
         the default)."""
         names = {**_ARG_NAMES, "ep": "expert_parallel"}
-        return cls(**{dim: arguments[arg] for dim, arg in names.items() if arg in arguments})
+        found = {dim: arguments[arg] for dim, arg in names.items() if arg in arguments}
+        if found.get("dp_shard", "auto") is None:  # left unset: sharded over what is left, unless replicated
+            found["dp_shard"] = "auto"
+        return cls(**found)
 
     def resolve(self, world_size: int) -> Layout:
         """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""

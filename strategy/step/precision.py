@@ -89,7 +89,17 @@ class PrecisionPolicy:
 
 class CuboidPrecision(PrecisionPolicy, Precision):
     """The Trainer's precision plugin for :class:`~cuboid.CuboidStrategy` (see :class:`PrecisionPolicy`), with
-    global-norm clipping and the non-finite check."""
+    global-norm clipping and the non-finite check. ``autocast_device``: under ``"bf16-mixed"`` with the model
+    replicated (DDP, no FSDP2 to cast its parameters), each step runs under ``torch.autocast`` on that device type,
+    as Lightning's own mixed precision runs it."""
+
+    autocast_device: str | None = None
+
+    @override
+    def forward_context(self) -> Any:
+        if self.autocast_device is None:
+            return super().forward_context()
+        return torch.autocast(self.autocast_device, dtype=torch.bfloat16)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

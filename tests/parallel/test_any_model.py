@@ -7,6 +7,7 @@ parity bound, and what setup kept whole, said."""
 from __future__ import annotations
 
 import pytest
+import torch
 from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL
@@ -19,7 +20,7 @@ PATTERNS = ("root_moduledict", "root_modulelist", "abc_lstm", "method_step")
 def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("any_model")
     specs = [{"name": f"{strategy}-{p}", "strategy": strategy, "module": p} for p in PATTERNS
-             for strategy in ("ddp", "cuboid")]  # fmt: skip
+             for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "patterns_worker.py", specs)
     return got
@@ -31,12 +32,15 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_cuboid_trains_it_as_ddp_does(pattern: str, results) -> None:
-    ddp, cuboid = results[f"ddp-{pattern}"], results[f"cuboid-{pattern}"]
+def test_cuboid_trains_it_as_ddp_does(pattern: str, strategy: str, results) -> None:
+    """Cuboid's default (this model fits: replicated, DDP's own all-reduce) and FSDP2 (``data_parallel_shard=
+    "auto"``: the units ``fully_shard`` can take, the rest gathered with the LightningModule for each step)."""
+    ddp, cuboid = results[f"ddp-{pattern}"], results[f"{strategy}-{pattern}"]
     loss = max(_rel(mine, theirs) for mine, theirs in zip(cuboid["losses"], ddp["losses"], strict=True))
     params = max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items())
-    print(f"{pattern}: cuboid vs ddp at dp2: loss {loss:.1e}, params {params:.1e}")
+    print(f"{pattern}: {strategy} vs ddp at dp2: loss {loss:.1e}, params {params:.1e}")
     assert cuboid["params"].keys() == ddp["params"].keys()
     assert loss <= LOSS_RTOL and params <= PARAM_ATOL, (loss, params)
 
@@ -44,7 +48,7 @@ def test_cuboid_trains_it_as_ddp_does(pattern: str, results) -> None:
 @pytest.mark.slow
 def test_setup_says_what_it_kept_whole_and_why(results) -> None:
     def kept(pattern: str) -> str:
-        return next((w for w in results[f"cuboid-{pattern}"]["log"] if w.startswith("Cuboid: kept")), "")
+        return next((w for w in results[f"cuboid_sharded-{pattern}"]["log"] if w.startswith("Cuboid: kept")), "")
 
     assert "prescalers (ModuleDict: a container without forward; 8 of its children are units)" in kept(
         "root_moduledict"
@@ -52,3 +56,28 @@ def test_setup_says_what_it_kept_whole_and_why(results) -> None:
     assert "layers (ModuleList: a container without forward; 3 of its children are units)" in kept("root_modulelist")
     assert "rnn (Recurrent: fully_shard cannot swap its class)" in kept("abc_lstm")
     assert "model (the step calls its loss(), not forward)" in kept("method_step")
+    for pattern in PATTERNS:  # the default: replicated, said with the figures it was chosen on
+        said = [w for w in results[f"cuboid-{pattern}"]["log"] if w.startswith("Cuboid: data parallel")]
+        assert said and "replicated, as DDP does" in said[0] and "data_parallel_shard='auto' shards it" in said[0]
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= PARAM_ATOL for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_its_best_checkpoint_reloads_as_ddp_era_code_reloads_it(pattern: str, results) -> None:
+    """Replicated by default, Cuboid writes DDP's one file: ``Model.load_from_checkpoint(best)`` and
+    ``torch.load(best)["state_dict"]`` read DDP's best weights. A sharded model's checkpoint is a directory, read
+    whole by ``cuboid.read_model_weights(best)``. The live model takes whole tensors in ``load_state_dict`` either
+    way (sharded: each rank keeps its slices)."""
+    ddp, default, sharded = (results[f"{s}-{pattern}"] for s in ("ddp", "cuboid", "cuboid_sharded"))
+    assert isinstance(ddp["reloaded"], dict), ddp["reloaded"]
+    assert _close(default["reloaded"], ddp["reloaded"]) and _close(default["torch_load"], ddp["torch_load"])
+    assert isinstance(sharded["reloaded"], str) and "IsADirectoryError" in sharded["reloaded"]  # a directory
+    assert _close(sharded["read_weights"], ddp["reloaded"])
+    for run in (default, sharded):
+        assert all(torch.allclose(d, torch.ones_like(d), atol=1e-6) for d in run["live_load"].values()), run[
+            "live_load"
+        ]

@@ -102,7 +102,7 @@ def make_strategy(spec: dict, world: int):
 
         tp = kwargs.pop("tensor_parallel_size", 1)
         return ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp, **kwargs), world // tp
-    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **kwargs)
+    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **{"data_parallel_shard": "auto", **kwargs})
     return strategy, strategy.layout.resolve(world).dp
 
 

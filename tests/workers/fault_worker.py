@@ -153,14 +153,14 @@ def main() -> None:
         module = StuckRank(out)
         train, val = DataLoader(TokenDataset(n=96), batch_size=GLOBAL_BATCH // 2), None
     elif scenario in ("uneven_train", "uneven_val"):
-        trainer = L.Trainer(devices=2, strategy=CuboidStrategy(timeout=20), max_epochs=1,
+        trainer = L.Trainer(devices=2, strategy=CuboidStrategy(data_parallel_shard="auto", timeout=20), max_epochs=1,
                             use_distributed_sampler=False, **common)  # fmt: skip
         module = Regressor()
         n_train = (6 if rank == 0 else 5) if scenario == "uneven_train" else 6
         train = DataLoader(tensors(n_train), batch_size=4)
         val = DataLoader(tensors(3 if rank == 0 else 4), batch_size=4) if scenario == "uneven_val" else None
     elif scenario == "iterable":
-        trainer = L.Trainer(devices=2, strategy=CuboidStrategy(timeout=20), max_epochs=2, num_sanity_val_steps=0,
+        trainer = L.Trainer(devices=2, strategy=CuboidStrategy(data_parallel_shard="auto", timeout=20), max_epochs=2, num_sanity_val_steps=0,
                             **common)  # fmt: skip
         module = Regressor()
         train = DataLoader(Stream(5 if rank == 0 else 7), batch_size=None)

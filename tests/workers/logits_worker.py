@@ -69,7 +69,7 @@ class LogitsModule(L.LightningModule):
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(0, verbose=False)
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
-    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
+    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **{"data_parallel_shard": "auto", **spec["strategy"]})
     dp = strategy.layout.resolve(world).dp
     module = LogitsModule(LlamaConfig(**spec["cfg"]))
     data = Tokens(spec["tokens"])

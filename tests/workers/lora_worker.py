@@ -56,7 +56,9 @@ class Losses(L.Callback):
 def run(spec: dict, out_dir: Path) -> None:
     L.seed_everything(SEED, verbose=False)
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
-    strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec.get("strategy", {}))
+    strategy = CuboidStrategy(
+        timeout=timedelta(seconds=90), **{"data_parallel_shard": "auto", **spec.get("strategy", {})}
+    )
     dp = strategy.layout.resolve(world).dp
     module = third_party.HFModule(FAMILY, meta_init=spec.get("meta_init", False))
     losses = Losses()

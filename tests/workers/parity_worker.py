@@ -231,7 +231,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("device_capacity"):
         strategy = DeviceOfSize(spec["device_capacity"], timeout=timedelta(seconds=90), **spec["strategy"])
     else:
-        strategy = CuboidStrategy(timeout=timedelta(seconds=90), **spec["strategy"])
+        strategy = CuboidStrategy(timeout=timedelta(seconds=90), **{"data_parallel_shard": "auto", **spec["strategy"]})
     dp = strategy.layout.resolve(world).dp
     if spec.get("stall_on_save"):
         saves = {"n": 0}

@@ -1,10 +1,13 @@
 """The modules of ``patterns.py`` under Lightning's DDP and under Cuboid, in one torchrun launch.
 
 Usage: torchrun --nproc-per-node 2 patterns_worker.py OUT_DIR RUNS_JSON
-RUNS_JSON: a list of {"name", "strategy": "ddp" | "cuboid", "module": a name of ``patterns.PATTERNS``}.
-Each spec fits 2 epochs (8 steps each, ``ModelCheckpoint`` on ``val_loss``) and rank 0 writes OUT_DIR/<name>.pt with
-each rank's step losses, the final weights (whole), the best checkpoint's path, and what the reloads DDP-era code
-does gave: ``load_from_checkpoint(best)``'s weights.
+RUNS_JSON: a list of {"name", "strategy": "ddp" | "cuboid" | "cuboid_sharded", "module": a name of
+``patterns.PATTERNS``} (``cuboid``: Cuboid's default, which replicates a model this small; ``cuboid_sharded``:
+``data_parallel_shard="auto"``, FSDP2). Each spec fits 2 epochs (8 steps each, ``ModelCheckpoint`` on ``val_loss``)
+and rank 0 writes OUT_DIR/<name>.pt with each rank's step losses, the final weights (whole), the log lines, and what
+the reloads DDP-era code does gave (each the weights, or the error): ``load_from_checkpoint(best)``,
+``torch.load(best)["state_dict"]``, ``cuboid.read_model_weights(best)``, and ``load_state_dict`` of whole tensors
+into the live model (each weight plus one, read back whole).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity_lib import each_spec  # noqa: E402
 from patterns import PATTERNS, data  # noqa: E402
 
-import cuboid  # noqa: E402, F401  (registers strategy="cuboid")
+from cuboid import CuboidStrategy, read_model_weights  # noqa: E402  (importing cuboid registers "cuboid")
 
 
 def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,9 +53,10 @@ def run(spec: dict, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     cls = PATTERNS[spec["module"]]
     module = cls()
+    strategy = CuboidStrategy(data_parallel_shard="auto") if spec["strategy"] == "cuboid_sharded" else spec["strategy"]
     ckpt = ModelCheckpoint(dirpath=out / spec["name"], monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=spec["strategy"], max_epochs=2,
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=2,
         limit_train_batches=8, callbacks=[ckpt], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out / spec["name"],
     )  # fmt: skip
@@ -68,15 +73,22 @@ def run(spec: dict, out: Path) -> None:
     final = whole(module)
     result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
               "warnings": [str(w.message) for w in caught], "log": log}  # fmt: skip
-    if dist.get_rank() == 0:
-        try:  # as DDP-era code reloads its best weights
-            result["reloaded"] = {
-                k: v.detach() for k, v in cls.load_from_checkpoint(ckpt.best_model_path).state_dict().items()
-            }
-        except Exception as err:  # noqa: BLE001  (what it gave is the result)
-            result["reloaded"] = f"{type(err).__name__}: {err}"
+    module.load_state_dict({k: v + 1 for k, v in final.items()})  # whole tensors into the live model, every rank
+    result["live_load"] = {k: v - final[k] for k, v in whole(module).items()}
+    if dist.get_rank() == 0:  # as DDP-era code reloads its best weights
+        best = ckpt.best_model_path
+        result["reloaded"] = _tried(lambda: cls.load_from_checkpoint(best).state_dict())
+        result["torch_load"] = _tried(lambda: torch.load(best, weights_only=False)["state_dict"])
+        result["read_weights"] = _tried(lambda: read_model_weights(best))
         torch.save(result, out / f"{spec['name']}.pt")
     dist.barrier()
+
+
+def _tried(read: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | str:
+    try:
+        return {k: v.detach() for k, v in read().items()}
+    except Exception as err:  # noqa: BLE001  (what it gave is the result)
+        return f"{type(err).__name__}: {err}"
 
 
 def main() -> None:

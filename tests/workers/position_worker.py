@@ -187,7 +187,9 @@ def run(spec: dict, out: Path) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=CuboidStrategy(timeout=timedelta(seconds=90), **spec.get("strategy", {})),
+        strategy=CuboidStrategy(
+            timeout=timedelta(seconds=90), **{"data_parallel_shard": "auto", **spec.get("strategy", {})}
+        ),
         max_steps=spec["max_steps"],
         max_epochs=spec.get("epochs", 1),
         logger=False,

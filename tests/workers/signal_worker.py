@@ -62,7 +62,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CuboidStrategy(),
+        strategy=CuboidStrategy(data_parallel_shard="auto"),
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,

@@ -50,7 +50,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CuboidStrategy(async_checkpoint=True),
+        strategy=CuboidStrategy(data_parallel_shard="auto", async_checkpoint=True),
         max_steps=steps,
         val_check_interval=100,
         limit_val_batches=4,
