@@ -30,6 +30,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.context import ContextParallel
+from cuboid.dropin import choose_replication, has_unused_parameters, replicate_module
 from cuboid.experts import LoadBalancing
 from cuboid.job import start_process_group
 from cuboid.parallel import (
@@ -39,12 +40,9 @@ from cuboid.parallel import (
     ParallelSettings,
     check_ac_mode,
     check_plan_styles,
-    choose_replication,
     finish_weights,
-    has_unused_parameters,
     parallelize_plain,
     prepare_weights,
-    replicate_module,
     submesh,
 )
 from cuboid.step import CuboidPrecision
@@ -358,7 +356,7 @@ class MeshStrategy(MeshCollectives, ParallelStrategy):
                 self.model = replicate_module(lm, self.dp_group, self.root_device, find_unused=False)
 
     def replicate_if_it_fits(self, lm: nn.Module, **asked: Any) -> bool:
-        """The default data-parallel layout (:mod:`cuboid.parallel.replicate`): ``lm`` under DDP when it fits each
+        """The default data-parallel layout (:mod:`cuboid.dropin.replicate`): ``lm`` under DDP when it fits each
         process with room to spare and nothing else is asked for (``asked``: settings that ask for sharding, by
         name); the choice said in one line. True when replicated."""
         layout = self.layout

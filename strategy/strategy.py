@@ -1,9 +1,8 @@
 """The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x cp x tp mesh.
 
-Each hook delegates to a collaborator that owns its state: the layout and mesh (``cuboid.parallel``), the
-pipeline (``cuboid.pipeline.Pipelining``), the checkpointer (``cuboid.checkpoint.Checkpointer``), the job's
-guard (``cuboid.job.JobGuard``), context parallel (``cuboid.context``) and the step's numerics (``cuboid.step``). :meth:`CuboidStrategy._parallelize`
-chooses the route: a pipelined build, which keeps this rank's stages and parallelizes each, or a plain one.
+Each hook delegates to a collaborator that owns its state: the layout and mesh (``cuboid.parallel``), the pipeline
+(``cuboid.pipeline``), the checkpointer (``cuboid.checkpoint``), the job's guard (``cuboid.job``), context parallel
+(``cuboid.context``), the step's numerics (``cuboid.step``). ``_parallelize`` picks a pipelined build or a plain one.
 """
 
 from __future__ import annotations
@@ -184,7 +183,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.reshard_after_forward = self.pipelining.reshard_after_forward
         self._dp_shard_auto = data_parallel_shard in ("auto", None)
         self._replicate_if_it_fits = data_parallel_shard is None  # the default: replicated (DDP) if it fits
-        self._format_chosen = checkpoint_format is not None
+        self._replicated_format = checkpoint_format or "full"  # a replicated model writes one file, as DDP does
         self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
@@ -226,7 +225,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self._precision_plugin.nonfinite = self.nonfinite
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
-        rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes")
+        pending = ", the data-parallel ranks sharded or replicated by the model's size" * self._replicate_if_it_fits
+        rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes{pending}")
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -253,8 +253,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.pretrained)
         elif self._replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
-            self.buffers = BufferBroadcast(False)  # DDP broadcasts them itself
-            self.checkpointer.format = self.checkpointer.format if self._format_chosen else "full"  # as DDP writes
+            self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
             self._parallelize(lm, self._restored(trainer, lm))
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
@@ -268,7 +267,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
-            capacity = device_bytes(self.root_device, self.cpu_offload)
+            capacity = self._device_capacity()
             if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
                 check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
@@ -276,6 +275,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
         if fitting and self.replicas is not None:  # torchft's manager and the gradient average over groups
             self.replicas.start(trainer, self)
+
+    def _device_capacity(self) -> float | None:
+        return device_bytes(self.root_device, self.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
@@ -289,7 +291,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         lm = self.precision_plugin.convert_module(lm)
         blocks = find_blocks(lm, self.block_container)
         self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
-        capacity = device_bytes(self.root_device, self.cpu_offload)
+        capacity = self._device_capacity()
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
             refuse_if_too_big(self.fit_estimate, self.layout, capacity, self._dp_shard_auto)
         build_stages = None

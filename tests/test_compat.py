@@ -773,3 +773,27 @@ def test_lightning_seeds_workers_by_the_global_rank_and_cuboid_swaps_in_the_data
     assert compat.seed_workers_by_data_rank(DataLoader(list(range(4)), worker_init_fn=own), 3).worker_init_fn is own
     L.seed_everything(1, workers=False, verbose=False)
     assert compat.seed_workers_by_data_rank(DataLoader(list(range(4))), 3).worker_init_fn is None
+
+
+def test_set_num_threads_if_needed_gives_each_process_its_share_of_the_cores(monkeypatch) -> None:
+    """compat.set_num_threads_if_needed is Lightning's private ``_set_num_threads_if_needed``: with
+    ``OMP_NUM_THREADS`` unset it sets torch's threads (and the variable) to the node's cores over its processes, as
+    Lightning's launchers do for DDP; set, it leaves both alone (tests/parallel/test_plain_module.py checks each rank
+    of a launch)."""
+    import os
+
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")
+        compat.set_num_threads_if_needed(2)
+        assert torch.get_num_threads() == before
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        compat.set_num_threads_if_needed(2)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = max(1, cores // 2)
+        assert _suggested_max_num_threads(2) == share
+        assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)
+    finally:
+        torch.set_num_threads(before)

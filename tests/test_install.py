@@ -128,7 +128,9 @@ def test_installed_command_lines_answer_help(installed: tuple[Path, Path, dict[s
 def test_a_module_outside_the_clone_trains_saves_and_resumes(installed: tuple[Path, Path, dict[str, str]]) -> None:
     python, work, env = installed
     first = _last_json(_run([str(python), "user_module.py", str(work / "run"), "4"], work, env))
-    assert first["steps"] == 4 and first["sharded"] and first["saved"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert (
+        first["steps"] == 4 and first["one_file"] and first["saved"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    )
     assert Path(first["cuboid"]).is_relative_to(python.parent.parent) and first["strategy"] == "cuboid.strategy"
     second = _last_json(_run([str(python), "user_module.py", str(work / "run"), "6", "resume"], work, env))
     assert second["resumed_from"].endswith("epoch=0-step=4.ckpt") and second["steps"] == 6

@@ -71,6 +71,7 @@ FLOORS = {
     "compat": 0,
     "adapters": 0,  # PEFT's LoRA layers: names and init, read by parallel (the tp split) and checkpoint
     "data": 0,
+    "dropin": 0,  # what keeps a DDP project's model whole: FSDP units fully_shard can take, DDP where sharding buys nothing
     "checkpoint": 1,
     "step": 1,
     "parallel": 2,
@@ -85,6 +86,7 @@ FLOORS = {
 }
 WINGS = (
     "adapters",
+    "dropin",
     "parallel",
     "context",
     "experts",

@@ -36,7 +36,6 @@ from cuboid.parallel.plans import (
     with_loss_parallel,
     without_loss_parallel,
 )
-from cuboid.parallel.replicate import choose_replication, has_unused_parameters, replicate_module
 from cuboid.parallel.styles import PlanError, canonical_style, check_plan_styles
 
 __all__ = [
@@ -61,7 +60,6 @@ __all__ = [
     "check_no_fsdp1",
     "check_plan_styles",
     "check_reshard_after_forward",
-    "choose_replication",
     "dim_groups",
     "find_blocks",
     "find_model_plan",
@@ -72,8 +70,6 @@ __all__ = [
     "parallelize",
     "parallelize_plain",
     "prepare_weights",
-    "replicate_module",
-    "has_unused_parameters",
     "resolve_plan",
     "submesh",
     "sync_batchnorm",

@@ -23,10 +23,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cuboid.checkpoint import load_pretrained, plan_pretrained
+from cuboid.dropin import choose_units
 from cuboid.parallel import materialize, plans
 from cuboid.parallel.mesh import fsdp_mesh
 from cuboid.parallel.parallelize import ACMode, ExpertsLayout, Part, parallelize
-from cuboid.parallel.units import choose_units
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
+from cuboid.dropin import STEP_METHODS
 from cuboid.experts import ExpertParallelError, RoutingReplay, distribute_experts, experts_modules
 from cuboid.parallel.styles import PlanError
-from cuboid.parallel.units import STEP_METHODS
 
 ACMode = Literal["full", "selective"]
 

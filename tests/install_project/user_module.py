@@ -1,5 +1,6 @@
-"""A user's own LightningModule in a file outside the Cuboid clone: trains at dp2 with ``strategy="cuboid"``, saves a
-sharded checkpoint, and (``resume``) resumes from it. Prints one JSON line with what it saw."""
+"""A user's own LightningModule in a file outside the Cuboid clone: trains at dp2 with ``strategy="cuboid"`` (a model
+this small is replicated, as DDP would), saves checkpoints (one file each, as DDP writes them: ``torch.load`` reads
+one), and (``resume``) resumes from one. Prints one JSON line with what it saw."""
 
 import json
 import sys
@@ -50,14 +51,15 @@ def main(out: Path, max_steps: int, resume: bool) -> None:
     trainer.fit(Regressor(), data, ckpt_path=path)
     if trainer.is_global_zero:
         saved = sorted(p.name for p in (out / "ckpts").iterdir())
-        sharded = all((out / "ckpts" / name / ".metadata").is_file() for name in saved)
+        one_file = all((out / "ckpts" / name).is_file() for name in saved)
+        readable = "state_dict" in torch.load(out / "ckpts" / saved[-1], weights_only=False)
         print(
             json.dumps(
                 {
                     "steps": trainer.global_step,
                     "resumed_from": path,
                     "saved": saved,
-                    "sharded": sharded,
+                    "one_file": one_file and readable,
                     "strategy": type(trainer.strategy).__module__,
                     "cuboid": cuboid.__file__,
                 }

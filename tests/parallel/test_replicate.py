@@ -1,4 +1,4 @@
-"""The default data-parallel layout follows memory (cuboid.parallel.replicate): a model whose weights, gradients and
+"""The default data-parallel layout follows memory (cuboid.dropin.replicate): a model whose weights, gradients and
 Adam state fit a quarter of what each process has is replicated as DDP does; a larger one, or one that asks for
 sharding otherwise, is sharded. The figures it was chosen on, and how to force the other, are said."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cuboid.parallel.replicate import choose, refusal
+from cuboid.dropin import choose, choose_replication, refusal
 
 GIB = 2**30
 
@@ -25,7 +25,7 @@ def test_a_model_that_fits_with_room_to_spare_is_replicated() -> None:
         and "replicated, as DDP does" in choice.reason
         and "data_parallel_shard='auto'" in choice.reason
     )
-    assert "1,001,000 parameters: 0.01 GiB" in choice.reason and "12.0 GiB each process has" in choice.reason
+    assert "1,001,000 parameters: 15.3 MiB" in choice.reason and "12.0 GiB each process has" in choice.reason
 
 
 def test_an_llm_layouts_default_still_shards_by_the_memory_rule() -> None:
@@ -47,3 +47,12 @@ def test_what_asks_for_sharding_is_named() -> None:
     assert refusal(small, {"tensor_parallel": 1}, cpu_offload=False, pretrained={}) is None
     choice = choose(small, capacity=12 * GIB, refused="tensor_parallel=2 asked for")
     assert not choice.replicate and choice.reason == "sharded (FSDP2): tensor_parallel=2 asked for"
+
+
+def test_synced_batchnorm_on_cpu_is_sharded() -> None:
+    """torch's DDP takes ``SyncBatchNorm`` layers (``Trainer(sync_batchnorm=True)`` converts to such) on GPUs only:
+    on CPU the default shards them, with why."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.SyncBatchNorm(8))
+    choice = choose_replication(model, torch.device("cpu"), 2, {})
+    assert not choice.replicate and "sync_batchnorm on CPU" in choice.reason
+    assert choose_replication(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), torch.device("cpu"), 2, {}).replicate

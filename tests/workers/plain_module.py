@@ -1,4 +1,4 @@
-"""A LightningModule written with no thought of Cuboid, trained with ``strategy="cuboid"``.
+"""A LightningModule written with no thought of Cuboid, trained under ``CuboidStrategy``.
 
 Launched as ``python plain_module.py OUT_DIR``: Lightning's own launcher starts the second
 process (it re-runs this script). Rank 0 writes OUT_DIR/result.json.
@@ -14,11 +14,12 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-import cuboid  # noqa: F401  (registers strategy="cuboid")
+from cuboid import CuboidStrategy
 
 
 class Regressor(L.LightningModule):
@@ -53,6 +54,12 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
 
 
+def _gathered(value: int) -> list[int]:
+    values: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     L.seed_everything(0)
@@ -60,7 +67,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="cuboid",
+        strategy=CuboidStrategy(data_parallel_shard="auto"),  # sharded: a model this small is replicated by default
         max_epochs=4,
         default_root_dir=out,
         logger=False,
@@ -77,13 +84,15 @@ def main() -> None:
         "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
         "checkpoint_files": sorted(p.name for p in next((out / "checkpoints").iterdir()).iterdir()),
         "param_is_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "threads": _gathered(torch.get_num_threads()),
+        "ddp_threads": _suggested_max_num_threads(2),  # what Lightning's DDP gives each of 2 processes on this node
     }
     for precision in ("bf16-mixed", "bf16-true"):
         module = Regressor()
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy="cuboid",
+            strategy=CuboidStrategy(data_parallel_shard="auto"),
             precision=precision,
             max_steps=3,
             logger=False,

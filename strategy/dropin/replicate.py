@@ -40,7 +40,10 @@ def choose_replication(
 ) -> Replication:
     """The default data-parallel layout for ``module`` on ``device`` (``local_processes`` on its node), given the
     other degrees (``sizes``, by argument name) and what else asks for sharding (``asked``, by name)."""
-    return choose(module, capacity(device, local_processes), refusal(module, sizes, **asked))
+    refused = refusal(module, sizes, **asked)
+    if refused is None and device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        refused = "sync_batchnorm on CPU (torch's DDP takes SyncBatchNorm layers on GPUs only)"
+    return choose(module, capacity(device, local_processes), refused)
 
 
 def choose(module: nn.Module, capacity: float | None, refused: str | None) -> Replication:
@@ -48,7 +51,7 @@ def choose(module: nn.Module, capacity: float | None, refused: str | None) -> Re
     unknown, shard) and nothing asks for sharding (``refused``: what does, or None)."""
     params = sum(p.numel() for p in module.parameters())
     need = params * BYTES_PER_PARAMETER
-    figures = f"{params:,} parameters: {need / 2**30:.2f} GiB of weights, gradients and Adam state"
+    figures = f"{params:,} parameters: {_size(need)} of weights, gradients and Adam state"
     if refused is not None:
         return Replication(False, f"sharded (FSDP2): {refused}")
     if capacity is None:
@@ -105,3 +108,7 @@ def capacity(device: torch.device, local_processes: int) -> float | None:
     if device.type == "cpu" and hasattr(os, "sysconf"):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local_processes)
     return None
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

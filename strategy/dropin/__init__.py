@@ -1,0 +1,26 @@
+"""What a DDP project's model needs to switch by one line: the FSDP units ``fully_shard`` can take as they are, the
+rest gathered with the LightningModule for each step (``units``), and replication with torch's own DDP where
+sharding buys nothing (``replicate``: the default data-parallel layout follows memory)."""
+
+from cuboid.dropin.replicate import (
+    Replication,
+    capacity,
+    choose,
+    choose_replication,
+    has_unused_parameters,
+    refusal,
+    replicate_module,
+)
+from cuboid.dropin.units import STEP_METHODS, choose_units
+
+__all__ = [
+    "STEP_METHODS",
+    "Replication",
+    "capacity",
+    "choose",
+    "choose_replication",
+    "choose_units",
+    "has_unused_parameters",
+    "refusal",
+    "replicate_module",
+]
