@@ -149,6 +149,17 @@ def test_the_data_module_keeps_its_earlier_name() -> None:
     )
 
 
+def test_the_data_module_imports_no_hydra() -> None:
+    """``from cuboid.data import TokenDataModule`` in a project of one's own loads neither Hydra nor the main job
+    (:mod:`cuboid.train` hands the job's names on when first asked for them)."""
+    code = (
+        "import sys; from cuboid.data import TokenDataModule; import cuboid.train; "
+        "print(sorted(m for m in ('hydra', 'omegaconf', 'cuboid.train.job') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize(
     "command, usage",
     [

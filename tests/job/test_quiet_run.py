@@ -15,7 +15,8 @@ import cuboid
 
 PACKAGE_DIRS = {str(ROOT / "strategy"), str(ROOT / "models"), str(Path(cuboid.__file__).parent)}
 # Warnings torch or Lightning raise from their own files that Cuboid's code or its reference model caused.
-CAUSED_BY_CUBOID = ("Slicing a flattened dim", "sync_dist=True", "will be deprecated")
+# ("exists and is not empty": ModelCheckpoint's, when the job wrote into the checkpoint directory before its start)
+CAUSED_BY_CUBOID = ("Slicing a flattened dim", "sync_dist=True", "will be deprecated", "exists and is not empty")
 WARNING_LINE = re.compile(r"^(?:\[rank\d+\]:)?(/\S+\.py):\d+: (.*)$")
 
 
