@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -51,6 +52,22 @@ def _last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
+def _site_dirs() -> list[str]:
+    """The directories this interpreter imports installed packages from (its venv's, a conda env's or the system's,
+    and the user's), whichever it runs in, without the clone: ``venv --system-site-packages`` would give the base
+    interpreter's instead when this one runs in a virtual environment."""
+    sites = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    dirs = {str(Path(d).resolve()) for d in sites}
+    return [p for p in sys.path if p and str(Path(p).resolve()) in dirs and Path(p).is_dir()]
+
+
+def _see_these_packages(python: Path, cwd: Path, env: dict[str, str]) -> None:
+    """The new venv sees this interpreter's packages as plain path entries (a ``.pth`` of directory lines: the ``.pth``
+    files inside them, the clone's editable install among them, are not run), behind its own."""
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd, env).strip()
+    (Path(purelib) / "_suite_packages.pth").write_text("\n".join(_site_dirs()) + "\n")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str]]:
     """(the venv's python, a working directory outside the clone, the environment): the wheel that ``python -m
@@ -66,8 +83,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     dist = tmp / "dist"
     _run([sys.executable, "-m", "build", "--outdir", str(dist), str(source)], tmp, env, timeout=600)
     venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp, env)
+    _run([sys.executable, "-m", "venv", str(venv)], tmp, env)
     python = venv / "bin" / "python"
+    _see_these_packages(python, tmp, env)
     (wheel,) = dist.glob("cuboid-*.whl")
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], tmp, env)
     work = tmp / "work"
