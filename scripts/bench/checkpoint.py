@@ -75,7 +75,9 @@ def fsynced_save(obj: object, path: Path) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
-    strategy = CuboidStrategy(timeout=timedelta(minutes=10))
+    # Sharded on purpose: these figures are of DCP's sharded checkpoints, which a model small enough
+    # to replicate would not write by default (its format is then one full file).
+    strategy = CuboidStrategy(data_parallel_shard="auto", timeout=timedelta(minutes=10))
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=world,
