@@ -10,8 +10,8 @@ one set of settings (:meth:`MeshCollectives.parallel_settings`). The degrees liv
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +30,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.context import ContextParallel
-from cuboid.dropin import choose_replication, has_unused_parameters, replicate_module
+from cuboid.dropin import Replicating
 from cuboid.experts import LoadBalancing
 from cuboid.job import start_process_group
 from cuboid.parallel import (
@@ -45,7 +45,7 @@ from cuboid.parallel import (
     prepare_weights,
     submesh,
 )
-from cuboid.step import CuboidPrecision
+from cuboid.step import CuboidPrecision, DeferMode, DeferredReductions
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -63,6 +63,7 @@ BUILD_ARGUMENTS = (
     "process_group_backend",
     "timeout",
     "weights_init",
+    "defer_reductions",
 )
 WEIGHTS_INIT = ("auto", "rank0", "local")
 
@@ -113,6 +114,7 @@ class MeshCollectives:
         process_group_backend: str | None,
         timeout: timedelta | float | None,
         weights_init: str,
+        defer_reductions: DeferMode | None,
     ) -> None:
         check_ac_mode(activation_checkpointing)
         if weights_init not in WEIGHTS_INIT:
@@ -123,6 +125,8 @@ class MeshCollectives:
                 "no random-number tracker. Use weights_init='rank0' (or 'auto', which chooses it under offload)."
             )
         self.weights_init = weights_init
+        self.deferred = DeferredReductions(defer_reductions)
+        self.deferred.hsdp, self.deferred.pipelined = self.dims.layout.dp_replicate > 1, self.dims.layout.pp > 1
         check_plan_styles(tensor_parallel_plan)
         self.context = ContextParallel(self.dims, compile, activation_checkpointing)
         self.load_balancing = LoadBalancing(load_balancing)
@@ -338,41 +342,7 @@ class MeshCollectives:
         return bool(flag.item())
 
 
-class MeshStrategy(MeshCollectives, ParallelStrategy):
-    _unsharpened_steps: int | None = None  # under DDP: batches seen while it still looks for unused parameters
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none."""
-        if self._unsharpened_steps is None:
-            return
-        self._unsharpened_steps += 1
-        if self._unsharpened_steps == 2:
-            self._unsharpened_steps = None
-            if not has_unused_parameters(self.model, self.dp_group, self.root_device):
-                lm = self.model.module
-                self.model = lm  # the first DDP goes, and its reducer's hooks with it, before the next one
-                gc.collect()
-                self.model = replicate_module(lm, self.dp_group, self.root_device, find_unused=False)
-
-    def replicate_if_it_fits(self, lm: nn.Module, **asked: Any) -> bool:
-        """The default data-parallel layout (:mod:`cuboid.dropin.replicate`): ``lm`` under DDP when it fits each
-        process with room to spare and nothing else is asked for (``asked``: settings that ask for sharding, by
-        name); the choice said in one line. True when replicated."""
-        layout = self.layout
-        sizes = {"pipeline_parallel": layout.pp, "data_parallel_replicate": layout.dp_replicate,
-                 "tensor_parallel": layout.tp, "context_parallel": layout.cp, "expert_parallel": layout.ep}  # fmt: skip
-        choice = choose_replication(lm, self.root_device, self.num_processes, sizes, cpu_offload=self.cpu_offload,
-                                    pretrained=self.pretrained, **asked)  # fmt: skip
-        rank_zero_info(f"Cuboid: data parallel, {choice.reason}")
-        if not choice.replicate:
-            return False
-        self.model = replicate_module(lm, self.dp_group, self.root_device)
-        self._unsharpened_steps = 0
-        if self.precision_plugin.precision == "bf16-mixed":  # what FSDP2 casts under sharding, autocast does here
-            self.precision_plugin.autocast_device = self.root_device.type
-        return True
-
+class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
     """The Trainer's ``ParallelStrategy`` on one device mesh: ``reduce`` (``self.log(sync_dist=True)``) averages
     over ``dp``; the precision plugin is always a :class:`~cuboid.step.precision.CuboidPrecision`."""
 
@@ -386,6 +356,14 @@ class MeshStrategy(MeshCollectives, ParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = own_precision(plugin, CuboidPrecision)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Entered by Lightning on the batches that only accumulate gradients: the reductions ``defer_reductions``
+        names wait for the optimizer step's last one (:mod:`cuboid.step.accumulation`); DDP's ``no_sync``."""
+        with self.deferred.accumulating(self.model, super().block_backward_sync):
+            yield
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:

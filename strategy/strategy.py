@@ -43,7 +43,7 @@ from cuboid.parallel import (
 )
 from cuboid.pipeline import Pipelining, batch_and_index
 from cuboid.replicas import FaultTolerance, ReplicaGroups
-from cuboid.step import CuboidPrecision, LossParallel, NonFiniteGuard, plain_output
+from cuboid.step import CuboidPrecision, DeferMode, LossParallel, NonFiniteGuard, plain_output
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,11 +108,10 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             Hugging Face directory, a ``.safetensors`` file or a Cuboid checkpoint. Build the submodule on meta and
             each rank reads only its slices; a mismatch stops setup before anything is loaded (``None`` ignored).
         weights_init: How a model built on the meta device gets its first values: ``"rank0"``, rank 0 runs the
-            model's own init piece by piece and sends each rank its slice (the values of one process's init, on any
-            layout); ``"local"``, each rank initializes its own shards on its device with DTensor's random streams
-            (the same distribution, not the same values; nothing sent); ``"auto"``: ``"local"`` on GPUs,
-            ``"rank0"`` on CPU and under ``cpu_offload``. Nothing is initialized that a checkpoint about to be
-            loaded fills.
+            model's own init piece by piece and sends each rank its slice (one process's values, on any layout);
+            ``"local"``, each rank initializes its own shards with DTensor's random streams (the same distribution,
+            nothing sent); ``"auto"``: ``"local"`` on GPUs, ``"rank0"`` on CPU and under ``cpu_offload``. Nothing
+            is initialized that a checkpoint about to be loaded fills.
         preempt_on: Signals on which every rank saves one checkpoint after the same step and stops; under SLURM the
             job is requeued (by the batch script once srun returns, where it sets ``CUBOID_REQUEUE_FILE``; else by
             rank 0). ``()``: a SIGTERM stops every rank without saving (``docs/cluster.md``).
@@ -128,6 +127,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             ``<default_root_dir>/flight_recorder`` on a timeout. Default 20000, as torchtitan.
         broadcast_buffers: As DDP's: the first data-parallel rank's buffers (BatchNorm's statistics) changed by a
             step go to the others before each step and save; ``"all"``: every buffer; ``False``: none.
+        defer_reductions: While gradients accumulate, what waits for the step's last microbatch: ``"replicas"``,
+            HSDP's all-reduce across replicas (once per step, same memory); ``"all"``, the reduce-scatter too
+            (unsharded gradients kept meanwhile); ``None``, nothing (``docs/performance.md``).
     """
 
     strategy_name = "cuboid"
@@ -164,6 +166,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         timeout: timedelta | float | None = default_pg_timeout,
         flight_recorder: int = 20000,
         broadcast_buffers: bool | Literal["all"] = True,
+        defer_reductions: DeferMode | None = "replicas",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -222,7 +225,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         )
         self.job_guard.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED)
-        self._precision_plugin.nonfinite = self.nonfinite
+        self._precision_plugin.nonfinite, self._precision_plugin.deferred = self.nonfinite, self.deferred
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         pending = ", the data-parallel ranks sharded or replicated by the model's size" * self._replicate_if_it_fits
@@ -230,8 +233,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A timed-out collective is named and every rank stopped; after another failed collective the watchdog
-        gets its few seconds to name a dead rank (see :class:`cuboid.job.JobGuard`)."""
+        """A timed-out collective named, every rank stopped; else the watchdog may name a dead rank (JobGuard)."""
         self.job_guard.on_exception(exception)
 
     @property
@@ -351,17 +353,15 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.pipelining.enabled:
-            return self._plain_step(super().validation_step, *args, **kwargs)
-        return self._pipelined_eval("validation_step", args, kwargs)
+        return self._eval_step("validation_step", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.pipelining.enabled:
-            return self._plain_step(super().test_step, *args, **kwargs)
-        return self._pipelined_eval("test_step", args, kwargs)
+        return self._eval_step("test_step", super().test_step, args, kwargs)
 
-    def _pipelined_eval(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def _eval_step(self, hook: str, step: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.pipelining.enabled:
+            return self._plain_step(step, *args, **kwargs)
         batch, idx = batch_and_index(args, kwargs)
         lm, precision = self.lightning_module, self.precision_plugin
         self.buffers.sync()

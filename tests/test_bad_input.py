@@ -339,6 +339,11 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         ValueError,
         "nonfinite='sometimes'; choose None",
     ),
+    "an unknown defer_reductions mode": (
+        lambda: CuboidStrategy(defer_reductions="sometimes"),
+        ValueError,
+        "defer_reductions='sometimes': choose 'replicas'",
+    ),
     "an unknown pipeline schedule": (
         lambda: CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Chimera"),
         PipelineError,

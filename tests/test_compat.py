@@ -797,3 +797,31 @@ def test_set_num_threads_if_needed_gives_each_process_its_share_of_the_cores(mon
         assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)
     finally:
         torch.set_num_threads(before)
+
+
+def test_fsdp_unreduced_sees_hsdps_deferred_all_reduce() -> None:
+    """compat.fsdp_unreduced reads FSDP2's per-group ``_partial_reduce_output``: under HSDP (here a 1 x 1 mesh in one
+    process, which takes HSDP's code path), a backward with ``set_requires_all_reduce(False)`` leaves the
+    reduce-scattered gradient there, unreduced across replicas; the next backward that all-reduces folds it in and
+    clears it (cuboid.step.accumulation refuses a step that ends with one left)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        model = fully_shard(nn.Linear(4, 2), mesh=mesh)
+        x = torch.randn(3, 4)
+        model.set_requires_all_reduce(False)
+        model(x).sum().backward()
+        assert compat.fsdp_unreduced(model) and model.weight.grad is None
+        model.set_requires_all_reduce(True)
+        model(x).sum().backward()
+        assert not compat.fsdp_unreduced(model)
+        expected = 2 * x.sum(0).expand(2, 4)  # both backwards' gradients, the deferred one folded in
+        assert torch.allclose(model.weight.grad.full_tensor(), expected)
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -347,6 +347,7 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     flatten_mesh,
     flight_recorder_dump,
     flight_recorder_entries,
+    fsdp_unreduced,
     init_fake_process_group,
     name_mesh,
     reduce_scatter_single,

@@ -181,3 +181,17 @@ def reduce_scatter_single(output: Any, stacked: Any, group: Any = None) -> None:
     torch 2.13, ``reduce_scatter_tensor`` (deprecated there) in torch 2.11."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, stacked, group=group)
+
+
+def fsdp_unreduced(unit: Any) -> bool:
+    """Whether an FSDP2 unit holds gradients reduce-scattered on earlier microbatches but not yet all-reduced across
+    HSDP's replicas (FSDP's per-group ``_partial_reduce_output``, set while ``set_requires_all_reduce(False)`` and
+    folded in by the next backward that all-reduces): after a step's last backward, a unit that got no gradient
+    there keeps it. torch 2.13 keeps a list of parameter groups (``_fsdp_param_groups``), 2.11 one
+    (``_fsdp_param_group``). No public API says it."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return any(getattr(group, "_partial_reduce_output", None) is not None for group in groups)

@@ -11,10 +11,12 @@ from cuboid.dropin.replicate import (
     refusal,
     replicate_module,
 )
+from cuboid.dropin.replicated import Replicating
 from cuboid.dropin.units import STEP_METHODS, choose_units
 
 __all__ = [
     "STEP_METHODS",
+    "Replicating",
     "Replication",
     "capacity",
     "choose",

@@ -1,14 +1,16 @@
 """The optimizer side of a Fabric loop under Cuboid: optimizers made before ``fabric.setup`` follow the sharded
-parameters, optimizers made from the wrong parameters are refused, and ``fabric.no_backward_sync`` skips FSDP2's
-gradient reduction on accumulation steps."""
+parameters, optimizers made from the wrong parameters are refused, and ``fabric.no_backward_sync`` defers FSDP2's
+reductions on accumulation steps as ``defer_reductions`` says."""
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from torch import nn
 from torch.optim import Optimizer
+
+from cuboid.step import DeferredReductions
 
 
 @contextmanager
@@ -43,18 +45,13 @@ def check_optimizer(optimizer: Optimizer, module: nn.Module) -> None:
 
 
 class NoGradientSync:
-    """``fabric.no_backward_sync(model)``: gradient accumulation without FSDP2's reduce-scatter on the steps that do
-    not step the optimizer (every ``fully_shard`` unit's ``set_requires_gradient_sync``)."""
+    """``fabric.no_backward_sync(model)``: the reductions ``defer_reductions`` names wait for the step that steps
+    the optimizer (:mod:`cuboid.step.accumulation`)."""
+
+    def __init__(self, deferred: DeferredReductions) -> None:
+        self.deferred = deferred
 
     @contextmanager
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> Generator[None, None, None]:
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.set_requires_gradient_sync(not enabled, recurse=False)
-        try:
+        with self.deferred.accumulating(module) if enabled else nullcontext():
             yield
-        finally:
-            for unit in units:
-                unit.set_requires_gradient_sync(True, recurse=False)

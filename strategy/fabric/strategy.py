@@ -45,7 +45,7 @@ from cuboid.parallel import (
     without_loss_parallel,
 )
 from cuboid.pipeline import PipelineError
-from cuboid.step import check_tp_gradients, clip_grad_norm_
+from cuboid.step import DeferMode, check_tp_gradients, clip_grad_norm_
 
 
 class CuboidStrategy(MeshCollectives, ParallelStrategy):
@@ -65,6 +65,9 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         pipeline_parallel: Must be 1: a Fabric loop has no step for a pipeline schedule to replay (use the Trainer).
         tensor_parallel_plan, block_container, activation_checkpointing, reshard_after_forward, cpu_offload,
             compile, checkpoint_format, process_group_backend, timeout, weights_init: as the Trainer's strategy.
+        defer_reductions: What ``fabric.no_backward_sync(model)`` defers to the step that steps the optimizer, as the
+            Trainer's strategy: ``"replicas"``, HSDP's all-reduce (the reduce-scatter runs each step, memory as
+            without accumulation); ``"all"``, the reduce-scatter too (each rank keeps unsharded gradients meanwhile).
         pretrained: Weights to load per shard, keyed by a module name relative to the module given to
             ``fabric.setup`` (``""`` = all of it), valued by a transformers directory or safetensors file.
     """
@@ -91,6 +94,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         weights_init: Literal["auto", "rank0", "local"] = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        defer_reductions: DeferMode | None = "replicas",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -114,7 +118,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         self._num_nodes = 1
         self._module: nn.Module | None = None
         self._tp_gradients_checked = False  # the first optimizer step compares tp's whole parameters' gradients
-        self._backward_sync_control = NoGradientSync()
+        self._backward_sync_control = NoGradientSync(self.deferred)
 
     # ------------------------------------------------------------------ Fabric's plumbing
     @property
@@ -236,6 +240,8 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The optimizer's step; before the first one, the parameters tp leaves whole must have the same gradient on
         every tp rank (:mod:`cuboid.step.tp_gradients`: one small collective, once)."""
+        if self._module is not None:  # no unit kept gradients it never averaged across the replicas
+            self.deferred.check_reduced(self._module)
         if not self._tp_gradients_checked and self._module is not None:
             self._tp_gradients_checked = True
             tp = self.device_mesh["tp"]

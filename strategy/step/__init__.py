@@ -1,7 +1,8 @@
 """The training step: the numerics of one training step across the mesh. Precision (FSDP2's mixed-precision
-policy), the global gradient norm and clipping, the non-finite guard, loss parallel, and the first step's check
+policy), the reductions deferred while gradients accumulate, the global gradient norm and clipping, the non-finite guard, loss parallel, and the first step's check
 that tensor parallel's whole parameters get the same gradient on every tp rank."""
 
+from cuboid.step.accumulation import DeferMode, DeferredReductions
 from cuboid.step.grad_norm import clip_grad_norm_, global_grad_norm
 from cuboid.step.loss_parallel import LossParallel, plain, plain_output
 from cuboid.step.nonfinite import NonFiniteError, NonFiniteGuard
@@ -10,6 +11,8 @@ from cuboid.step.tp_gradients import TpGradients, TpGradientsDiffer, check_tp_gr
 
 __all__ = [
     "CuboidPrecision",
+    "DeferMode",
+    "DeferredReductions",
     "LossParallel",
     "NonFiniteError",
     "NonFiniteGuard",

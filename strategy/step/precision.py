@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from cuboid.step.accumulation import DeferredReductions
 from cuboid.step.grad_norm import clip_grad_norm_, global_grad_norm
 from cuboid.step.nonfinite import NonFiniteGuard
 
@@ -56,6 +57,7 @@ class PrecisionPolicy:
         self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
         self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
         self.commit: Callable[[], bool] | None = None  # fault-tolerant replica groups: may this step commit?
+        self.deferred: DeferredReductions | None = None  # the strategy's: checked after the step's last backward
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -112,7 +114,9 @@ class CuboidPrecision(PrecisionPolicy, Precision):
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's order (closure: step and backward; then ``on_before_optimizer_step`` and clipping), with the
         replica groups' commit and the non-finite check (``nonfinite=``) between the closure and the optimizer step
-        when they are on."""
+        when they are on; after the closure, that no unit kept gradients it never averaged across replicas."""
+        if self.deferred is not None and self.deferred.pending:
+            closure = self.deferred.after(closure, model)
         if not self.nonfinite.enabled and self.commit is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         loss = self._wrap_closure(model, optimizer, closure)

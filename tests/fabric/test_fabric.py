@@ -28,6 +28,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "cp2-meta": (2, {"strategy": {"context_parallel": 2}, "meta_init": True}),
     "tp2-qwen3": (2, {"strategy": {"tensor_parallel": 2}, "family": "hf_qwen3"}),
     "dp2xtp2": (4, {"strategy": {"tensor_parallel": 2}}),
+    # each batch in 2 microbatches under fabric.no_backward_sync: HSDP's all-reduce once per optimizer step
+    "hsdp2x2-accum2": (4, {"strategy": {"data_parallel_replicate": 2}, "accumulate": 2}),
     # transformers' own init on meta gives other norms: its own max norm
     "dp2xtp2-qwen3-meta": (4, {"strategy": {"tensor_parallel": 2}, "family": "hf_qwen3", "meta_init": True,
                                "clip": 1.85}),

@@ -63,10 +63,15 @@ def run(spec: dict, out_dir: Path) -> None:
         if iter_num >= spec.get("steps", 6):
             break
         tokens = batch["tokens"]
-        input_ids, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = model(input_ids).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        fabric.backward(loss)
+        accumulate = spec.get("accumulate", 1)  # the batch in equal microbatches, their mean losses averaged
+        loss = torch.zeros(())
+        for micro, part in enumerate(tokens.chunk(accumulate)):
+            input_ids, targets = part[:, :-1], part[:, 1:]
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                logits = model(input_ids).logits
+                part_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) / accumulate
+                fabric.backward(part_loss)
+            loss = loss + part_loss.detach()
         fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])
         optimizer.step()
         optimizer.zero_grad()

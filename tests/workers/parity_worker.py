@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
@@ -297,7 +298,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("ledger"):  # the set-up's collectives: who received which weights
         from cuboid.measure import CommLedger
 
-        ledger = CommLedger(log=False, per_step=False)
+        ledger = CommLedger(log=False, per_step=spec["ledger"] == "per_step")
         callbacks.append(ledger)
     logger: object = False
     if spec.get("log_every"):  # CuboidMonitor's figures, logged every N steps to a CSV file
@@ -398,6 +399,8 @@ def run(spec: dict, out_dir: Path) -> None:
         "loss_parallel": strategy.loss_parallel.enabled,
         "setup_comm": ledger.setup_table if ledger is not None else None,
         "ledger_steps": len(ledger.steps) if ledger is not None else None,  # per_step=False: none
+        "ledger_tables": ledger.steps if ledger is not None else None,  # {dim: {kind: [count, bytes]}} per step
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules()),
         "init_stats": init_stats.stats if init_stats is not None else None,
         "pp_rank": strategy.device_mesh["pp"].get_local_rank(),
         # full bytes of the distinct parameters and buffers this rank holds (what its stage's weights weigh)

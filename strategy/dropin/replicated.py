@@ -1,0 +1,55 @@
+"""The Trainer's side of the replicated default (:mod:`cuboid.dropin.replicate`): :class:`Replicating`, mixed into
+the Trainer's strategy, wraps the LightningModule in torch's DDP when the default layout chooses it, and drops DDP's
+search for unused parameters once the first step has shown there are none."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
+
+
+class Replicating:
+    """What the Trainer's strategy does for a model it replicates (needs the strategy's ``layout``, ``dp_group``,
+    ``root_device``, ``num_processes``, ``cpu_offload``, ``pretrained`` and ``precision_plugin``)."""
+
+    _unsharpened_steps: int | None = None  # under DDP: batches seen while it still looks for unused parameters
+    model: Any
+
+    def replicate_if_it_fits(self, lm: nn.Module, **asked: Any) -> bool:
+        """The default data-parallel layout: ``lm`` under DDP when it fits each process with room to spare and
+        nothing else is asked for (``asked``: settings that ask for sharding, by name); the choice said in one line.
+        True when replicated."""
+        layout = self.layout  # type: ignore[attr-defined]
+        sizes = {"pipeline_parallel": layout.pp, "data_parallel_replicate": layout.dp_replicate,
+                 "tensor_parallel": layout.tp, "context_parallel": layout.cp, "expert_parallel": layout.ep}  # fmt: skip
+        choice = choose_replication(lm, self.root_device, self.num_processes, sizes,  # type: ignore[attr-defined]
+                                    cpu_offload=self.cpu_offload, pretrained=self.pretrained,  # type: ignore[attr-defined]
+                                    **asked)  # fmt: skip
+        rank_zero_info(f"Cuboid: data parallel, {choice.reason}")
+        if not choice.replicate:
+            return False
+        self.model = replicate_module(lm, self.dp_group, self.root_device)  # type: ignore[attr-defined]
+        self._unsharpened_steps = 0
+        precision = self.precision_plugin  # type: ignore[attr-defined]
+        if precision.precision == "bf16-mixed":  # what FSDP2 casts under sharding, autocast does here
+            precision.autocast_device = self.root_device.type  # type: ignore[attr-defined]
+        return True
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none."""
+        if self._unsharpened_steps is None:
+            return
+        self._unsharpened_steps += 1
+        if self._unsharpened_steps == 2:
+            self._unsharpened_steps = None
+            group, device = self.dp_group, self.root_device  # type: ignore[attr-defined]
+            if not has_unused_parameters(self.model, group, device):
+                lm = self.model.module
+                self.model = lm  # the first DDP goes, and its reducer's hooks with it, before the next one
+                gc.collect()
+                self.model = replicate_module(lm, group, device, find_unused=False)
