@@ -1,34 +1,32 @@
 """Cuboid: a PyTorch Lightning strategy for pp x dp x cp x tp training on one device mesh.
 
 ``from cuboid import CuboidStrategy``; importing ``cuboid`` also registers ``Trainer(strategy="cuboid")`` and
-``Fabric(strategy="cuboid")`` (``cuboid.fabric.CuboidStrategy``, Fabric's door).
+``Fabric(strategy="cuboid")`` (``cuboid.fabric.CuboidStrategy``, Fabric's door), for ``lightning`` and for the
+standalone ``pytorch_lightning`` and ``lightning_fabric`` alike. A project written against ``pytorch_lightning``
+passes ``cuboid.pytorch_lightning.CuboidStrategy``: the same source built for that package (:mod:`cuboid.packages`).
 
 This module holds the names most users import. Each part of Cuboid (``cuboid.parallel``, ``cuboid.pipeline``,
 ``cuboid.context``, ``cuboid.experts``, ``cuboid.checkpoint``, ``cuboid.job``, ``cuboid.step``, ``cuboid.planning``,
 ``cuboid.fabric``) lists its own in ``__all__``; ``docs/architecture.md`` shows how they fit together.
 """
 
+# ruff: noqa: E402  (install() runs before the first module that imports Lightning)
 from importlib.metadata import PackageNotFoundError, version
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
-from lightning.pytorch.strategies import StrategyRegistry
+from cuboid.packages import install
+
+install()  # before any module that imports Lightning: the registries, and cuboid.pytorch_lightning
 
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointDamaged, CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
 from cuboid.experts import ExpertParallelError
-from cuboid.fabric import CuboidStrategy as FabricCuboidStrategy
 from cuboid.job import PeerBatchesDiffer, RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
 from cuboid.pipeline import PipelineError
 from cuboid.replicas import FaultTolerance
 from cuboid.step import CuboidPrecision, NonFiniteError
 from cuboid.strategy import CuboidStrategy
-
-if CuboidStrategy.strategy_name not in StrategyRegistry:
-    CuboidStrategy.register_strategies(StrategyRegistry)
-if FabricCuboidStrategy.strategy_name not in FABRIC_STRATEGIES:  # Fabric(strategy="cuboid")
-    FabricCuboidStrategy.register_strategies(FABRIC_STRATEGIES)
 
 __all__ = [
     "CheckpointDamaged",

@@ -57,6 +57,9 @@ PRELOAD = (
     "torchmetrics",
     "cuboid",
     "cuboid.models",
+    "pytorch_lightning",  # the standalone packages' door (tests/parallel/test_pytorch_lightning.py)
+    "cuboid.pytorch_lightning",
+    "cuboid.pytorch_lightning.models",
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.mistral.modeling_mistral",

@@ -216,10 +216,13 @@ class SpecRuns(dict):
         self.out = out
         self.launches: dict[str, Launch] = {}
 
-    def launch(self, nprocs: int, script: Path, specs: list[dict], *extra: str, timeout: float = 600) -> Launch:
+    def launch(
+        self, nprocs: int, script: Path, specs: list[dict], *extra: str, timeout: float = 600, before: tuple = ()
+    ) -> Launch:
+        """``script [BEFORE ...] OUT SPECS_JSON [EXTRA ...]`` on ``nprocs`` ranks (``before``: a shim's worker)."""
         import json
 
-        ran = launch(nprocs, script, str(self.out), json.dumps(specs), *extra, timeout=timeout)
+        ran = launch(nprocs, script, *before, str(self.out), json.dumps(specs), *extra, timeout=timeout)
         for name, seconds in re.findall(r"cuboid-test: spec (\S+) done in ([0-9.]+) s", ran.out):
             SPEC_TIMES.append((float(seconds), nprocs, name, script.name))
         for spec in specs:

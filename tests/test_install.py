@@ -125,10 +125,16 @@ def test_installed_package_imports_every_name(installed: tuple[Path, Path, dict[
         "    assert getattr(importlib.import_module(module), name) is not None, dotted\n"
         f"for wing in {list(WINGS)!r} + ['train', 'layout', 'dryrun', 'export', 'data', 'models', 'conf']:\n"
         "    importlib.import_module('cuboid.' + wing)\n"
-        "print(json.dumps({'file': cuboid.__file__, 'version': cuboid.__version__, 'path': sys.path}))\n"
+        "import pytorch_lightning as pl\n"  # the standalone twins, built from the wheel's files
+        "import cuboid.pytorch_lightning as twin\n"
+        "assert issubclass(twin.CuboidStrategy, pl.strategies.Strategy) and twin.models.CausalLM\n"
+        "twin_file = twin.__file__\n"
+        "print(json.dumps({'file': cuboid.__file__, 'version': cuboid.__version__, 'path': sys.path,\n"
+        "                  'twin': twin_file}))\n"
     )
     seen = _last_json(_run([str(python), "-c", script], work, env))
     assert Path(seen["file"]).is_relative_to(python.parent.parent), seen["file"]  # the wheel's, not the clone's
+    assert seen["twin"] == seen["file"], seen
     assert not any(Path(p).resolve() == ROOT for p in seen["path"] if p)
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert seen["version"] == version

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import lightning
 import torch.distributed as dist
+from lightning.fabric import __version__ as lightning_version
 from torch import nn
 from torch.optim import Optimizer
 
@@ -58,7 +58,7 @@ def save(
     model_key, optimizers, rest = split_state(state, module)
     meta: dict[str, Any] = {
         **rest,
-        "pytorch-lightning_version": lightning.__version__,  # what a Trainer's resume reads first
+        "pytorch-lightning_version": lightning_version,  # what a Trainer's resume reads first
         "lr_schedulers": rest.get("lr_schedulers", []),
         "cuboid": {
             "layout": layout_sizes,

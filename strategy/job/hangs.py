@@ -100,7 +100,8 @@ def status(reporter: bool) -> dict[str, Any]:
 
 def _main_thread_frame() -> str | None:
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001  (documented in sys)
-    skip = (os.sep + "torch" + os.sep, os.sep + "lightning" + os.sep, os.path.dirname(threading.__file__) + os.sep)
+    frameworks = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
+    skip = (*(os.sep + name + os.sep for name in frameworks), os.path.dirname(threading.__file__) + os.sep)
     for summary in reversed(traceback.extract_stack(frame) if frame is not None else []):
         if not any(part in summary.filename or summary.filename.startswith(part) for part in skip):
             return f"{summary.filename}:{summary.lineno} in {summary.name} ({(summary.line or '').strip()})"

@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -35,7 +35,7 @@ from cuboid.fabric import CuboidStrategy  # noqa: E402
 def run(spec: dict, out_dir: Path) -> None:
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
     strategy = "cuboid" if spec.get("registered") else CuboidStrategy(**spec.get("strategy", {}))
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
     fabric.launch()
     fabric.seed_everything(SEED)
     family = spec.get("family", "hf_llama")
@@ -95,6 +95,7 @@ def run(spec: dict, out_dir: Path) -> None:
         torch.save(
             {"losses": losses, "params": full, "seen": seen, "optimized": optimized, "placements": placements,
              "layout": fabric.strategy.layout.describe(), "start": start,
+             "classes": [type(fabric).__module__, type(fabric.strategy).__module__],
              "trainable": sorted(n for n, p in model.module.named_parameters() if p.requires_grad)},
             out_dir / f"{spec['name']}.pt",
         )  # fmt: skip

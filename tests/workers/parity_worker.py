@@ -472,6 +472,7 @@ def run(spec: dict, out_dir: Path) -> None:
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),
             "grad_norm": float(trainer.precision_plugin.last_grad_norm or float("nan")),
+            "classes": [type(trainer).__module__, type(strategy).__module__],  # which Lightning package ran it
         }
         if spec.get("log_every"):  # what the logger received: {step: {metric: value}}
             import csv

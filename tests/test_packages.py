@@ -1,0 +1,160 @@
+"""Both Lightning packages from one source (:mod:`cuboid.packages`): the rewrite, ``cuboid.pytorch_lightning`` whole
+and free of the unified package, ``strategy="cuboid"`` in all four registries whatever the import order, an install
+with only the standalone packages, and the error when neither is there. The training runs through
+``pytorch_lightning`` and ``lightning_fabric`` are tests/parallel/test_pytorch_lightning.py."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import sys
+import textwrap
+import types
+
+import lightning.fabric as LF
+import lightning.pytorch as L
+import lightning_fabric
+import pytest
+import pytorch_lightning as pl
+from harness import python
+
+import cuboid
+from cuboid.packages import MIRROR, installed, rewrite
+
+REWRITES = [
+    ("from lightning.pytorch.strategies import ParallelStrategy", "from pytorch_lightning.strategies import ParallelStrategy"),
+    ("import lightning as L", "import pytorch_lightning as L"),
+    ("    from lightning.fabric.utilities import rank_zero", "    from lightning_fabric.utilities import rank_zero"),
+    ('log = logging.getLogger("lightning.pytorch.core")', 'log = logging.getLogger("pytorch_lightning.core")'),
+    ("from cuboid import compat", f"from {MIRROR} import compat"),
+    ("    from cuboid.checkpoint.sharded import X", f"    from {MIRROR}.checkpoint.sharded import X"),
+    ('importlib.import_module("cuboid.train.job")', f'importlib.import_module("{MIRROR}.train.job")'),
+    # left alone: the shared module, a variable called cuboid, paths, longer names, prose
+    ("from cuboid.packages import install", "from cuboid.packages import install"),
+    ('done = cuboid.get("batches_done_in_epoch", 0)', 'done = cuboid.get("batches_done_in_epoch", 0)'),
+    ('skip = os.sep + "lightning" + os.sep', 'skip = os.sep + "lightning" + os.sep'),
+    ("src/lightning/pytorch/trainer.py", "src/lightning/pytorch/trainer.py"),
+    ("my_lightning.pytorch_thing", "my_lightning.pytorch_thing"),
+    ("run python -m cuboid.export", "run python -m cuboid.export"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("source, expected", REWRITES)
+def test_the_rewrite_maps_module_names_as_lightnings_own_build_does(source: str, expected: str) -> None:
+    assert rewrite(source) == expected
+
+
+@pytest.mark.parametrize("line", ["import lightning", "from lightning import Trainer", "import cuboid.checkpoint"])
+def test_an_import_the_rewrite_cannot_carry_over_is_refused_by_file_and_line(line: str) -> None:
+    with pytest.raises(ImportError, match=r"where\.py:2 .*standalone build"):
+        rewrite(f"x = 1\n{line}\n", "where.py")
+
+
+def _modules() -> list[str]:
+    names = ["cuboid", "cuboid.models", "cuboid.conf"]
+    for package in ("cuboid", "cuboid.models"):
+        path = importlib.import_module(package).__path__
+        names += [
+            m.name for m in pkgutil.walk_packages(path, package + ".") if not m.name.startswith("cuboid.packages")
+        ]
+    return sorted(n for n in set(names) if not n.endswith(".__main__"))  # `python -m` doors run at import
+
+
+def test_every_module_of_cuboid_has_a_twin_built_on_the_standalone_packages_alone() -> None:
+    """Each module imports under ``cuboid.pytorch_lightning``, and nothing in any of them (a class, a function or
+    a module it holds) comes from ``lightning.pytorch`` or ``lightning.fabric``: their twins come from
+    ``pytorch_lightning`` and ``lightning_fabric`` instead, and ``cuboid``'s own from the mirror."""
+    mixed: list[str] = []
+    names = _modules()
+    assert len(names) > 80 and "cuboid.strategy" in names and "cuboid.models.lm" in names
+    for name in names:
+        twin = importlib.import_module(MIRROR + name[len("cuboid") :])
+        assert twin.__file__ == importlib.import_module(name).__file__  # the same source file, its lines
+        for attr, value in vars(twin).items():
+            home = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            if not isinstance(home, str) or not (inspect.isclass(value) or callable(value) or inspect.ismodule(value)):
+                continue
+            if home.startswith(("lightning.", "cuboid.")) and not home.startswith((MIRROR, "cuboid.packages")):
+                mixed.append(f"{twin.__name__}.{attr} from {home}")
+    assert not mixed, mixed[:20]
+
+
+def test_the_twins_are_the_standalone_packages_own_kinds() -> None:
+    cpl = importlib.import_module(MIRROR)
+    assert issubclass(cpl.CuboidStrategy, pl.strategies.ParallelStrategy)
+    assert not issubclass(cpl.CuboidStrategy, L.strategies.Strategy)
+    assert issubclass(cpl.CuboidPrecision, pl.plugins.Precision)
+    assert issubclass(cpl.fabric.CuboidStrategy, lightning_fabric.strategies.ParallelStrategy)
+    assert issubclass(cpl.models.CausalLM, pl.LightningModule)
+    assert issubclass(cpl.CuboidMonitor, pl.Callback)
+    assert cpl.CuboidStrategy.__qualname__ == cuboid.CuboidStrategy.__qualname__
+    # tracebacks and inspect show the real file, at the real lines
+    assert inspect.getsourcelines(cpl.CuboidStrategy)[1] == inspect.getsourcelines(cuboid.CuboidStrategy)[1]
+
+
+def test_strategy_cuboid_builds_each_packages_own_strategy_with_its_arguments() -> None:
+    cpl = importlib.import_module(MIRROR)
+    kinds = {
+        L.Trainer: cuboid.CuboidStrategy,
+        pl.Trainer: cpl.CuboidStrategy,
+        LF.Fabric: cuboid.fabric.CuboidStrategy,
+        lightning_fabric.Fabric: cpl.fabric.CuboidStrategy,
+    }
+    for door, kind in kinds.items():
+        extra = {"logger": False} if door in (L.Trainer, pl.Trainer) else {}
+        built = door(strategy="cuboid", accelerator="cpu", devices=1, **extra).strategy
+        assert type(built) is kind, (door, type(built))
+    given = cpl.CuboidStrategy(tensor_parallel=2, checkpoint_format="full", defer_reductions="all")
+    trainer = pl.Trainer(strategy=given, accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy is given and given.checkpointer.format == "full" and given.deferred.mode == "all"
+
+
+SCRIPT = """
+import sys
+{block}
+{first}
+import cuboid
+{then}
+print("package:", cuboid.packages.install())
+{check}
+print("lightning imported:", sys.modules.get("lightning") is not None)
+"""
+
+
+def _run(block: str = "", first: str = "", then: str = "", check: str = "") -> str:
+    source = textwrap.dedent(SCRIPT).format(block=block, first=first, then=then, check=check)
+    ran = python([sys.executable, "-c", source], fresh=True)  # a fresh interpreter: its own import order
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    return ran.stdout
+
+
+@pytest.mark.slow
+def test_registered_whichever_package_comes_first_and_with_the_standalone_ones_alone() -> None:
+    """``import cuboid`` before ``pytorch_lightning`` and ``lightning_fabric``: they are registered as they come.
+    With ``lightning`` absent (set to None in ``sys.modules``, as a missing install reads), ``cuboid`` is the
+    standalone build under its own name, and a Trainer with ``strategy="cuboid"`` never imports ``lightning``."""
+    check = (
+        "from pytorch_lightning.strategies import StrategyRegistry\n"
+        "from lightning_fabric.strategies import STRATEGY_REGISTRY\n"
+        "assert 'cuboid' in StrategyRegistry and 'cuboid' in STRATEGY_REGISTRY\n"
+        "import pytorch_lightning as pl\n"
+        "t = pl.Trainer(strategy='cuboid', accelerator='cpu', devices=1, logger=False)\n"
+        "print('strategy:', type(t.strategy).__module__)\n"
+    )
+    out = _run(then="import pytorch_lightning, lightning_fabric", check=check)
+    assert "package: lightning\nstrategy: cuboid.pytorch_lightning.strategy\nlightning imported: True" in out, out
+    alone = check + "assert cuboid.CuboidStrategy is cuboid.pytorch_lightning.CuboidStrategy\n"
+    alone += "from cuboid.checkpoint import read_model_weights\nimport cuboid.pytorch_lightning.checkpoint as c\n"
+    alone += "assert read_model_weights is c.read_model_weights\n"
+    out = _run(block="sys.modules['lightning'] = None", check=alone)
+    assert "package: pytorch_lightning\nstrategy: cuboid.pytorch_lightning.strategy\nlightning imported: False" in out
+
+
+def test_with_neither_package_the_import_names_both() -> None:
+    source = "import sys\nsys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\nimport cuboid\n"
+    ran = python([sys.executable, "-c", source], fresh=True)
+    assert ran.returncode != 0
+    assert "neither of its packages is installed: no `lightning` and no `pytorch_lightning`" in ran.stderr
+    assert "pip install lightning" in ran.stderr
+    assert installed() == ("lightning", "pytorch_lightning")
