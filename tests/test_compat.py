@@ -825,3 +825,27 @@ def test_fsdp_unreduced_sees_hsdps_deferred_all_reduce() -> None:
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_dcp_writes_and_reads_through_fsspec_with_storage_options() -> None:
+    """compat.fsspec_writer / fsspec_reader (torch's private FsspecWriter and FsspecReader): built with a URL and
+    fsspec storage options, used without a checkpoint_id, a save and a load round-trip on fsspec's in-memory file
+    system, in one process; the options reach the file system, and the writer does not sync the whole host."""
+    import uuid
+
+    import torch.distributed.checkpoint as dcp
+
+    from cuboid import compat
+
+    url = f"memory://compat-{uuid.uuid4().hex}/ckpt"
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=compat.fsspec_writer(url, {}))
+        back = {"w": torch.zeros(2, 3)}
+        dcp.load(back, storage_reader=compat.fsspec_reader(url, {}))
+    assert torch.equal(back["w"], state["w"])
+    assert "w" in compat.fsspec_reader(url, {}).read_metadata().state_dict_metadata
+    writer, reader = compat.fsspec_writer(url, {"marker": "w"}), compat.fsspec_reader(url, {"marker": "r"})
+    assert writer.fs.fs.storage_options == {"marker": "w"} and writer.sync_files is False
+    assert reader.fs.fs.storage_options == {"marker": "r"}

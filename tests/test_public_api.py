@@ -68,7 +68,9 @@ PUBLIC = [
 
 # The wings, lowest floor first; a wing may import only wings on a lower floor (and compat, data).
 FLOORS = {
-    "compat": 0,
+    "compat": -1,  # the door to other libraries' internals: below every wing, and imports none
+    "packages": 0,  # which Lightning package is served: imported first, by cuboid/__init__ alone
+    "storage": 0,  # where checkpoints and run locks lie: local, or fsspec's (s3://)
     "adapters": 0,  # PEFT's LoRA layers: names and init, read by parallel (the tp split) and checkpoint
     "data": 0,
     "dropin": 0,  # what keeps a DDP project's model whole: FSDP units fully_shard can take, DDP where sharding buys nothing
@@ -85,6 +87,8 @@ FLOORS = {
     "fabric": 5,  # Fabric's door, beside strategy.py (the Trainer's): it uses the wings as the Trainer glue does
 }
 WINGS = (
+    "packages",
+    "storage",
     "adapters",
     "dropin",
     "parallel",

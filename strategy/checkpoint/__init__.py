@@ -1,6 +1,7 @@
 """Checkpoints: the formats (Cuboid's sharded directory and full file, Lightning's strategies'
 directories) behind one interface, the checkpointer that saves, loads, links and removes them, resuming,
-pretrained weights read per shard, and the export to safetensors or a Hugging Face directory."""
+pretrained weights read per shard, and the export to safetensors or a Hugging Face directory. A checkpoint lies in a
+local directory or anywhere fsspec reaches (``s3://``, ``gs://``, ...: :mod:`cuboid.storage`)."""
 
 from cuboid.checkpoint.checkpointer import FORMATS, Checkpointer
 from cuboid.checkpoint.export import main as export_main

@@ -57,6 +57,7 @@ from cuboid.checkpoint.resume import (
     save_position,
 )
 from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat, checkpoints_newest_first
+from cuboid.storage import RemotePath
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
 READERS: tuple[CheckpointReader, ...] = (*FORMATS.values(), LightningFormat())  # what Cuboid loads
@@ -391,8 +392,8 @@ class Checkpointer:
 
 
 def _linked_from(path: Path) -> bool:
-    """True when a symlink beside ``path`` points to it (a ``last`` link of ModelCheckpoint)."""
-    if not path.exists() or not path.parent.is_dir():
+    """True when a symlink beside ``path`` points to it (a ``last`` link of ModelCheckpoint; none remote)."""
+    if isinstance(path, RemotePath) or not path.exists() or not path.parent.is_dir():
         return False
     target = path.resolve()
     return any(p.is_symlink() and p.resolve() == target for p in path.parent.iterdir() if p != path)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from cuboid.adapters import peft_state_dict, write_peft_adapters
 from cuboid.checkpoint.format import META_FILE, CheckpointError, check_loadable, load_pickled
+from cuboid.storage import dcp_reader, to_path
 
 
 def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -28,26 +29,26 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
+    path = to_path(path)  # a local path, or a URL fsspec reaches (s3://...)
     check_loadable(path, allow_file=True)
     if path.is_file():  # checkpoint_format="full": memory-mapped, so only the weights' pages are read
         weights = load_pickled(path, weights_only=None, mmap=True).get("state_dict")
         if weights is None:
             raise CheckpointError(f"{path} is a file without a 'state_dict': not a Cuboid or Lightning checkpoint.")
         return {key: (t.to(dtype) if dtype else t) for key, t in weights.items()}
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata = dcp_reader(path).read_metadata()
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    dcp.load(state, storage_reader=dcp_reader(path), no_dist=True)
     return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
 
 
 def _read_meta(path: str | Path) -> dict[str, Any]:
     """A checkpoint's non-tensor entries (Lightning's and Cuboid's: ``meta["cuboid"]``), without its tensors."""
-    path = Path(path)
+    path = to_path(path)
     check_loadable(path, allow_file=True)
     if path.is_file():
         return {k: v for k, v in load_pickled(path, weights_only=None, mmap=True).items() if k != "state_dict"}
@@ -134,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from safetensors.torch import save_file
 
     if args.peft:
-        written = _export_peft(Path(args.checkpoint), weights, args.prefix, Path(args.out), args.hf is not None)
+        written = _export_peft(to_path(args.checkpoint), weights, args.prefix, Path(args.out), args.hf is not None)
         print(f"wrote {', '.join(str(p) for p in written)}")
         return
     if args.hf is not None or args.config is not None:  # a directory: the weights under the model's own names

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from cuboid.adapters import frozen_base_names
+from cuboid.storage import COMMIT, RemotePath, commit, readable
 
 META_FILE = "meta.pt"  # Lightning's state beside the DCP shards (the name Lightning's own strategies use)
 RNG_DIR = "rng"
@@ -110,6 +111,12 @@ def check_loadable(path: Path, allow_file: bool = False) -> None:
         raise CheckpointError(f"checkpoint {path} does not exist.")
     if path.is_file() and allow_file:
         return
+    if isinstance(path, RemotePath) and not path.is_file() and not (path / COMMIT).is_file():
+        raise CheckpointError(
+            f"{path} has no commit marker ({COMMIT}): its save never finished (on object storage a checkpoint is "
+            "written under its real name and completed by that marker, written last). Load an earlier checkpoint; "
+            "ckpt_path='auto' skips this one by itself."
+        )
     if path.is_file():
         raise CheckpointError(
             f"{path} is a file, not a Cuboid sharded checkpoint (a directory written by CuboidStrategy with "
@@ -196,9 +203,11 @@ def save_failed(path: Path, tmp: Path, err: BaseException) -> CheckpointError:
         what = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(failures.items()))
     else:
         what = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    partial = f"the partial write {path} (no commit marker: never loaded)" if isinstance(path, RemotePath) else ""
+    partial = partial or f"the partial write {tmp.name}"
     return CheckpointError(
         f"saving {path.name} failed ({what}). Nothing was replaced: the previous "
-        f"checkpoints in {path.parent} are intact and resumable; the partial write {tmp.name} may be deleted. "
+        f"checkpoints in {path.parent} are intact and resumable; {partial} may be deleted. "
         "Free disk space or fix the directory's permissions, then resume (ckpt_path='auto' picks the newest "
         "complete checkpoint)."
     )
@@ -207,6 +216,9 @@ def save_failed(path: Path, tmp: Path, err: BaseException) -> CheckpointError:
 def publish(tmp: Path, path: Path) -> None:
     """Rank 0 moves the finished temporary directory (or file) to its real name, replacing an older one."""
     if rank() != 0:
+        return
+    if isinstance(path, RemotePath):  # written under its real name (no rename on object storage): the marker, last
+        commit(path)
         return
     old = path.with_name(f".{path.name}.old")
     if path.exists() or path.is_symlink():
@@ -259,7 +271,9 @@ def load_state(
 
 def remove_path(path: Path) -> None:
     """Delete a checkpoint directory, file or link (a link only, never what it points to)."""
-    if path.is_symlink() or path.is_file():
+    if isinstance(path, RemotePath):
+        path.remove_tree()
+    elif path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
@@ -273,12 +287,13 @@ def load_pickled(path: Path, weights_only: bool | None, mmap: bool = False) -> d
     Lightning's own strategies pass it: torch's default then applies, with its environment switches
     (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, which torch honours only for a caller that left it unset).
     """
+    remote = isinstance(path, RemotePath)  # read whole into memory: there is nothing to map
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+        return torch.load(readable(path), map_location="cpu", weights_only=weights_only, mmap=mmap and not remote)
     except pickle.UnpicklingError as err:
         if weights_only is False:
             raise CheckpointError(f"could not unpickle {path} (corrupted?): {err}") from err
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(readable(path))
         raise CheckpointError(
             f"{path} holds pickled objects that a weights-only load refuses ({', '.join(unsafe[:4]) or 'see torch'}), "
             "e.g. in the LightningModule's hyper-parameters. If the checkpoint comes from a place you trust, load it "

@@ -56,6 +56,7 @@ from cuboid.checkpoint.format import (
     same_world,
     state_dicts,
 )
+from cuboid.storage import RemotePath, save_object
 
 FORMAT = "full"
 
@@ -98,6 +99,9 @@ def _save_full(
     payload["cuboid"] = {**payload.get("cuboid", {}), "format": FORMAT, "rng": rng}
 
     def write() -> None:
+        if isinstance(path, RemotePath):  # one object, written whole by one PUT: no temporary name needed
+            save_object(payload, path)
+            return
         tmp = path.with_name(f".{path.name}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:

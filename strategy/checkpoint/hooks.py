@@ -5,7 +5,6 @@ dicts: the formats write and read them shard by shard."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -14,6 +13,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.resume import restored_names
+from cuboid.storage import to_path
 
 
 class CheckpointHooks:
@@ -52,13 +52,13 @@ class CheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("CuboidStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        """Write a checkpoint to ``filepath``: a local path, or a URL fsspec reaches (``s3://bucket/run/x.ckpt``;
+        ``storage_options`` go to its file system, as ``trainer.save_checkpoint(..., storage_options=...)``)."""
         assert self.model is not None and self.lightning_module is not None
         replicas = getattr(self, "replicas", None)
         if replicas is not None and not replicas.writes_checkpoints:  # one replica group writes, the others skip
             return
-        path, trainer = Path(self.broadcast(str(filepath))), self.lightning_module.trainer
+        path, trainer = to_path(self.broadcast(str(filepath)), storage_options), self.lightning_module.trainer
         self.buffers.sync()
         self.checkpointer.save(
             path, checkpoint, self._saved_module(), self.optimizers, trainer, self.layout.sizes, self.device_mesh
@@ -81,7 +81,7 @@ class CheckpointHooks:
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
-        path, strict = Path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
+        path, strict = to_path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's for a strategy that restores after setup
             weights_only = compat.requested_weights_only()
         dp = self.distributed_sampler_kwargs
@@ -100,7 +100,7 @@ class CheckpointHooks:
         replicas = getattr(self, "replicas", None)
         if replicas is not None and not replicas.writes_checkpoints:
             return
-        self.checkpointer.remove(Path(filepath))
+        self.checkpointer.remove(to_path(str(filepath)))
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

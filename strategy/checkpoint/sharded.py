@@ -57,6 +57,16 @@ from cuboid.checkpoint.format import (
     save_failed,
     state_dicts,
 )
+from cuboid.storage import (
+    COMMIT,
+    RemotePath,
+    committed_at,
+    dcp_reader,
+    dcp_writer,
+    readable,
+    save_object,
+    to_path,
+)
 
 # --- checksums -----------------------------------------------------------------------------------------------
 CHECKSUMS = "checksums.json"
@@ -79,9 +89,12 @@ class CheckpointDamaged(CheckpointError):
         )
 
 
-def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The digest of a file's bytes, in hex: ``xxh3_64`` (16 digits) or ``crc32`` (8). The file is mapped, not
-    copied: a file the save has just written is hashed from the page cache at memory speed."""
+def file_digest(path: Path | RemotePath, algorithm: str = ALGORITHM) -> str:
+    """The digest of a file's bytes, in hex: ``xxh3_64`` (16 digits) or ``crc32`` (8). A local file is mapped, not
+    copied: a file the save has just written is hashed from the page cache at memory speed. A remote object is read
+    back from the store in 8 MiB pieces: what is hashed is what landed there."""
+    if isinstance(path, RemotePath):
+        return _stream_digest(path, algorithm)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else nullcontext(b"") as data:
@@ -92,7 +105,20 @@ def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
     raise CheckpointError(f"unknown checksum algorithm {algorithm!r}: this Cuboid knows xxh3_64 and crc32")
 
 
-def _files(root: Path) -> list[str]:
+def _stream_digest(path: RemotePath, algorithm: str) -> str:
+    if algorithm not in ("xxh3_64", "crc32"):
+        raise CheckpointError(f"unknown checksum algorithm {algorithm!r}: this Cuboid knows xxh3_64 and crc32")
+    digest, crc = xxhash.xxh3_64(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return digest.hexdigest() if algorithm == "xxh3_64" else f"{crc:08x}"
+
+
+def _files(root: Path | RemotePath) -> list[str]:
+    if isinstance(root, RemotePath):  # the marker comes after the checksums
+        return [name for name in root.files() if name not in (CHECKSUMS, COMMIT)]
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != CHECKSUMS)
 
 
@@ -185,7 +211,8 @@ def verify_checkpoint(root: Path) -> None:
 # --- the format ----------------------------------------------------------------------------------------------
 def is_sharded_checkpoint(path: Path) -> bool:
     """A complete DCP directory with Lightning's ``meta.pt`` (Cuboid's, or a Lightning strategy's)."""
-    return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    complete = path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    return complete and (not isinstance(path, RemotePath) or (path / COMMIT).is_file())
 
 
 def _save_sharded(
@@ -197,7 +224,8 @@ def _save_sharded(
     async_group: dist.ProcessGroup | None = None,
     stager: Any = None,
 ) -> threading.Thread | None:
-    """Write ``path`` atomically: into ``.<name>.tmp``, renamed once every rank is done.
+    """Write ``path`` atomically: into ``.<name>.tmp``, renamed once every rank is done; on object storage (no
+    rename there) under its real name, completed by rank 0's commit marker, written last (:mod:`.storage`).
 
     With ``async_group`` (a process group used only for checkpoints), the shards are copied to host
     memory (through ``stager``, a DCP ``AsyncStager`` kept across saves so its host buffers are reused),
@@ -206,21 +234,25 @@ def _save_sharded(
     collectives on the default group and checkpoint collectives never share a group: on gloo they
     deadlocked when they did).
     """
-    tmp = path.with_name(f".{path.name}.tmp")
+    remote = isinstance(path, RemotePath)
+    tmp = path if remote else path.with_name(f".{path.name}.tmp")
     if rank() == 0:
-        if tmp.exists():
+        if remote:  # saved before under this name (last.ckpt): its marker goes first, then the rest
+            path.remove_tree()
+        elif tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
     state = state_dicts(module, optimizers)
     (tmp / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(collect_rng(), tmp / RNG_DIR / f"rank{rank()}.pt")
+    save_object(collect_rng(), tmp / RNG_DIR / f"rank{rank()}.pt")
     if rank() == 0:
-        torch.save(lightning_state, tmp / META_FILE)
-    writer = storage_writer(tmp) if storage_writer else None
+        save_object(lightning_state, tmp / META_FILE)
+    writer = (storage_writer(tmp) if storage_writer else None) or (dcp_writer(tmp) if remote else None)
+    where = None if remote else tmp  # (a writer with its storage options is never given a checkpoint_id: DCP resets)
     if async_group is None:
         try:
-            dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
+            dcp.save(state, checkpoint_id=where, storage_writer=writer)
         except (Exception, dcp.CheckpointException) as err:  # (a BaseException) raised on every rank by DCP
             raise save_failed(path, tmp, err) from err
         barrier()
@@ -229,7 +261,7 @@ def _save_sharded(
         barrier()
         return None
     future = dcp.async_save(
-        state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group, async_stager=stager
+        state, checkpoint_id=where, storage_writer=writer, process_group=async_group, async_stager=stager
     )
 
     def finish() -> None:
@@ -270,12 +302,13 @@ def _load_sharded(
     """
     check_loadable(path)
     verify_checkpoint(path)
-    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    stored = set(dcp_reader(path).read_metadata().state_dict_metadata)
     meta = load_pickled(path / META_FILE, weights_only)
-    load_state(path, module, optimizers, strict, stored, checkpoint_id=path)
+    where = {"storage_reader": dcp_reader(path)} if isinstance(path, RemotePath) else {"checkpoint_id": path}
+    load_state(path, module, optimizers, strict, stored, **where)
     rng_file = path / RNG_DIR / f"rank{rank()}.pt"
     if rng_file.is_file() and same_world(meta):
-        restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
+        restore_rng(torch.load(readable(rng_file), map_location="cpu", weights_only=True))
     return meta
 
 
@@ -299,29 +332,31 @@ class ShardedFormat:
         return _load_sharded(r.path, r.module, r.optimizers, strict=r.strict, weights_only=r.weights_only)
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
+def latest_checkpoint(directory: str | Path) -> Path | RemotePath | None:
     """The newest complete checkpoint in ``directory`` (what ``ckpt_path="auto"`` resumes from), or None.
 
     Complete: a sharded checkpoint directory with its metadata, or a ``checkpoint_format="full"`` file; temporary
     (``.<name>.tmp``) and replaced (``.<name>.old``) ones are skipped, and a ``last`` link counts as its target.
-    Newest: by the time its metadata was written.
+    Newest: by the time its metadata was written. ``directory`` may be a URL fsspec reaches (``s3://b/run``): there
+    a sharded checkpoint counts once its commit marker is written, and is dated by it.
     """
     found = checkpoints_newest_first(directory)
     return found[0] if found else None
 
 
-def checkpoints_newest_first(directory: str | Path) -> list[Path]:
+def checkpoints_newest_first(directory: str | Path) -> list[Any]:
     """Every complete checkpoint in ``directory`` (as :func:`latest_checkpoint` counts them), newest first."""
-    root = Path(directory)
+    root = to_path(directory)
     if not root.is_dir():
         return []
-    found: dict[Path, float] = {}
+    found: dict[Any, float] = {}
     for entry in root.iterdir():
         if entry.name.startswith(".") or not entry.name.endswith(".ckpt"):
             continue
         target = entry.resolve()
-        if is_sharded_checkpoint(target):
-            found[target] = (target / META_FILE).stat().st_mtime
-        elif target.is_file():
+        if is_sharded_checkpoint(target):  # on object storage: committed (its marker's time)
+            stamp = committed_at(target) if isinstance(target, RemotePath) else (target / META_FILE).stat().st_mtime
+            found[target] = stamp or 0.0
+        elif target.is_file():  # a full file: one object, whole once it exists
             found[target] = target.stat().st_mtime
     return sorted(found, key=found.__getitem__, reverse=True)

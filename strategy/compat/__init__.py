@@ -348,6 +348,8 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     flight_recorder_dump,
     flight_recorder_entries,
     fsdp_unreduced,
+    fsspec_reader,
+    fsspec_writer,
     init_fake_process_group,
     name_mesh,
     reduce_scatter_single,

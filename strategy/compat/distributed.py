@@ -195,3 +195,23 @@ def fsdp_unreduced(unit: Any) -> bool:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return any(getattr(group, "_partial_reduce_output", None) is not None for group in groups)
+
+
+# --- DCP on fsspec file systems (s3://, gs://, memory://, ...) ----------------------------------------------------
+# torch's FsspecWriter/FsspecReader live in a private module (torch 2.11-2.13: not exported from
+# torch.distributed.checkpoint; pytorch/pytorch#188629 exports them). DCP picks them by itself for a URL given as
+# checkpoint_id, but then without storage options and with sync_files=True (an os.sync() of the whole host per file:
+# an fsspec file has no fileno). Built here with the options, and never passed a checkpoint_id beside them: DCP's
+# reset(checkpoint_id) rebuilds the file system without the options.
+def fsspec_writer(url: str, storage_options: dict[str, Any]) -> Any:
+    """A DCP storage writer into ``url`` through fsspec, ``storage_options`` passed to the file system."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, sync_files=False, **storage_options)
+
+
+def fsspec_reader(url: str, storage_options: dict[str, Any]) -> Any:
+    """A DCP storage reader of ``url`` through fsspec."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(url, **storage_options)

@@ -46,6 +46,7 @@ from cuboid.parallel import (
 )
 from cuboid.pipeline import PipelineError
 from cuboid.step import DeferMode, check_tp_gradients, clip_grad_norm_
+from cuboid.storage import to_path
 
 
 class CuboidStrategy(MeshCollectives, ParallelStrategy):
@@ -296,13 +297,13 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Write ``state`` in the Trainer's format (``checkpoint_format``): loads on any layout, and in a Trainer."""
-        if storage_options is not None or filter is not None:
+        if filter is not None:
             raise TypeError(
-                "fabric.save with CuboidStrategy writes every rank's shards as a whole checkpoint: storage_options "
-                "and filter are not supported (save a submodule's state_dict() under its own key instead)."
+                "fabric.save with CuboidStrategy writes every rank's shards as a whole checkpoint: filter is not "
+                "supported (save a submodule's state_dict() under its own key instead)."
             )
         assert self._module is not None, "fabric.save before fabric.setup(model)"
-        target = Path(self.broadcast(str(path)))
+        target = to_path(self.broadcast(str(path)), storage_options)  # a local path, or a URL fsspec reaches
         fabric_checkpoint.save(self.checkpointer, target, state, self._module, self.layout.sizes, self.device_mesh)
 
     @override
@@ -317,7 +318,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         assert self._module is not None, "fabric.load before fabric.setup(model)"
         if isinstance(state, Optimizer):
             raise TypeError("fabric.load(path, optimizer): pass {'model': model, 'optimizer': optimizer} instead.")
-        target = Path(self.broadcast(str(path)))
+        target = to_path(self.broadcast(str(path)))
         return fabric_checkpoint.load(self.checkpointer, target, state or {}, self._module, strict, weights_only)
 
     @override

@@ -26,6 +26,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cuboid.job.launch import slurm_job_id
+from cuboid.storage import RemotePath, to_path
 
 LOCK_NAME = ".cuboid-run.lock"
 
@@ -49,7 +50,7 @@ class RunLock:
     ) -> None:
         """``run``: a run several jobs make together (fault-tolerant replica groups: their lighthouse); a job of the
         same run finds the directory shared, not busy."""
-        self.path = Path(directory) / LOCK_NAME
+        self.path = to_path(directory) / LOCK_NAME  # a local directory, or a URL fsspec reaches (s3://...)
         self.stale_after, self.refresh = stale_after, refresh
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time()}
         if run is not None:
@@ -62,7 +63,7 @@ class RunLock:
         """Take the lock, or raise :class:`RunDirectoryBusy` naming the live holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            self._create()
         except FileExistsError:
             holder, age = self._read()
             if holder and self.me.get("run") and holder.get("run") == self.me["run"] and age <= self.stale_after:
@@ -71,15 +72,10 @@ class RunLock:
             if why is None:
                 raise RunDirectoryBusy(self._busy_message(holder, age)) from None
             rank_zero_info(f"Cuboid: taking over {self.path} ({why})")
-            tmp = self.path.with_name(f"{LOCK_NAME}.{self.me['host']}.{self.me['pid']}")
-            tmp.write_text(json.dumps(self.me))
-            os.replace(tmp, self.path)
+            self._overwrite()
             if self._read()[0] != self.me:  # another run took it over in the same instant
                 holder, age = self._read()
                 raise RunDirectoryBusy(self._busy_message(holder, age)) from None
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.me))
         self.held = True
         self._thread = threading.Thread(target=self._keep_fresh, name="cuboid-run-lock", daemon=True)
         self._thread.start()
@@ -95,10 +91,33 @@ class RunLock:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
 
+    def _create(self) -> None:
+        """The lock file made only if none is there (``O_EXCL``; on object storage a conditional PUT, "xb"),
+        holding this run; raises FileExistsError otherwise."""
+        if isinstance(self.path, RemotePath):
+            with self.path.open("xb") as f:
+                f.write(json.dumps(self.me).encode())
+            return
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.me))
+
+    def _overwrite(self) -> None:
+        """Replace a lock whose holder is gone by this run's, whole (a rename locally, one PUT remotely)."""
+        if isinstance(self.path, RemotePath):
+            self.path.write_text(json.dumps(self.me))
+            return
+        tmp = self.path.with_name(f"{LOCK_NAME}.{self.me['host']}.{self.me['pid']}")
+        tmp.write_text(json.dumps(self.me))
+        os.replace(tmp, self.path)
+
     def _keep_fresh(self) -> None:
         while not self._stop.wait(self.refresh):
             with contextlib.suppress(OSError):
-                os.utime(self.path)
+                if isinstance(self.path, RemotePath):
+                    self.path.write_text(json.dumps(self.me))  # its time stamp is the object's: written again
+                else:
+                    os.utime(self.path)
 
     def _read(self) -> tuple[dict[str, Any] | None, float]:
         try:

@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from cuboid import compat
 from cuboid.checkpoint import CheckpointError
 from cuboid.job.launch import slurm_job_id
+from cuboid.storage import to_path
 
 STOP, PREEMPT, SAVE_FAILED = 1, 2, 3
 
@@ -156,9 +157,9 @@ class StopAgreement(L.Callback):
 
     def save(self, trainer: L.Trainer) -> Path:
         callback = trainer.checkpoint_callback
-        dirpath = getattr(callback, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
-        path = Path(dirpath) / f"preempted-step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path)
+        dirpath = getattr(callback, "dirpath", None) or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
+        path = to_path(str(dirpath)) / f"preempted-step={trainer.global_step}.ckpt"  # local, or a URL
+        trainer.save_checkpoint(str(path))
         wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
         if wait is not None:
             wait()  # an async save must be on disk before the process exits

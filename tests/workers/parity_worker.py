@@ -29,6 +29,7 @@ from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, Toke
 from cuboid import CuboidStrategy  # noqa: E402
 from cuboid.compat import CudaContracts  # noqa: E402
 from cuboid.measure import held_bytes  # noqa: E402
+from cuboid.storage import to_path  # noqa: E402
 
 
 class Facts(L.Callback):
@@ -211,6 +212,24 @@ def stalling_writer(victim: int, sentinel: str):
     return lambda path: Stalling(path)
 
 
+def dying_writer():
+    """A DCP writer into object storage whose coordinator (rank 0) dies (``os._exit``) right after DCP's ``finish``
+    wrote ``.metadata``: every shard and DCP's own metadata are there, the checksums and the commit marker are not.
+    By DCP's and Lightning's rule (``.metadata`` and ``meta.pt``) the checkpoint would look complete."""
+    import os
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # (a test's own writer: DCP's class)
+
+    from cuboid.storage import RemotePath
+
+    class Dying(FsspecWriter):
+        def finish(self, metadata, results):
+            super().finish(metadata, results)
+            os._exit(9)
+
+    return lambda path: Dying(path.url, sync_files=False, **path.options) if isinstance(path, RemotePath) else None
+
+
 class DeviceOfSize(CuboidStrategy):
     """A CuboidStrategy that checks layouts against a device of ``capacity`` bytes, as it does against a GPU's
     memory; on CPU there is none to check (the test's stand-in for a GPU's size, said as such)."""
@@ -243,6 +262,14 @@ def run(spec: dict, out_dir: Path) -> None:
             return writer(path) if saves["n"] >= 2 else None
 
         strategy.checkpointer.storage_writer = second_save_stalls
+    if spec.get("die_on_save"):  # the second save: rank 0 dies once DCP's metadata is written
+        dying, saves = dying_writer(), {"n": 0}
+
+        def second_save_dies(path):
+            saves["n"] += 1
+            return dying(path) if saves["n"] >= 2 else None
+
+        strategy.checkpointer.storage_writer = second_save_dies
     if spec.get("fail_save"):  # a full disk on one rank, injected at the storage writer (said as such)
         strategy.checkpointer.storage_writer = failing_writer(**spec["fail_save"])
     family = spec.get("model", "llama")
@@ -414,7 +441,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "resumed_from": resume,
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
         # (rank 0 removes the run lock in its teardown: another rank may list the directory before that)
-        "kept": sorted(p.name for p in Path(spec["save_dir"]).iterdir() if p.name != ".cuboid-run.lock")
+        "kept": sorted(p.name for p in to_path(spec["save_dir"]).iterdir() if p.name != ".cuboid-run.lock")
         if spec.get("save_dir")
         else None,
         "best": str(Path(trainer.checkpoint_callback.best_model_path).name) if spec.get("monitor") else None,
@@ -486,6 +513,7 @@ def run(spec: dict, out_dir: Path) -> None:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     for spec in each_spec(sys.argv[2]):
+        __import__("os").environ.update(spec.get("env", {}))  # e.g. an object store's endpoint (AWS_ENDPOINT_URL)
         (run_expecting_error if spec.get("expect_error") else run)(spec, out_dir)
 
 
