@@ -54,12 +54,11 @@ PRELOAD = (
     "lightning",
     "lightning.pytorch",
     "lightning.pytorch.loggers",
+    # (not pytorch_lightning: importing it points lightning_utilities' rank-zero logger, shared by both packages, at
+    # its own; the workers of tests/parallel/test_pytorch_lightning.py import it themselves)
     "torchmetrics",
     "cuboid",
     "cuboid.models",
-    "pytorch_lightning",  # the standalone packages' door (tests/parallel/test_pytorch_lightning.py)
-    "cuboid.pytorch_lightning",
-    "cuboid.pytorch_lightning.models",
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.mistral.modeling_mistral",
