@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_apertus": 1.75, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
@@ -57,6 +57,14 @@ def hf_config(family: str):
     import transformers
 
     small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+    if family == "hf_llava":  # a CLIP vision tower and a projector feeding a Llama: a composite model
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=16, patch_size=4)  # fmt: skip
+        text = transformers.LlamaConfig(
+            vocab_size=VLM_VOCAB, num_key_value_heads=2, max_position_embeddings=64, **small
+        )
+        return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                                        projector_hidden_act="gelu", vision_feature_select_strategy="default")  # fmt: skip
     if family in ("hf_llama", "hf_llama_tied"):
         tied = family == "hf_llama_tied"
         return transformers.LlamaConfig(
@@ -156,6 +164,10 @@ def lora_config():
     return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
 
 
+# The composite family's vocabulary: the text's 256 tokens and an image token, padded to a size tp divides.
+VLM_VOCAB, IMAGE_TOKEN, PATCHES = 272, 271, 16
+
+
 def build_model(family: str) -> nn.Module:
     import transformers
 
@@ -166,6 +178,8 @@ def build_model(family: str) -> nn.Module:
     config = hf_config(family)
     if family == "hf_vit":
         return transformers.ViTForImageClassification(config)
+    if family == "hf_llava":
+        return transformers.LlavaForConditionalGeneration(config)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -204,6 +218,24 @@ class ImageDataset(Dataset):
         return {"idx": torch.tensor(i), "pixel_values": self.images[i], "labels": self.labels[i]}
 
 
+class ImageTextDataset(TokenDataset):
+    """An image and its caption: :data:`PATCHES` image tokens (the vision tower's 16 patches of a 16x16 image take
+    their places) then the caption's tokens, predicted; the image's brightness pattern sets the caption's first
+    token, so the tower's features matter to the loss."""
+
+    def __init__(self, n: int = 96, seq: int = SEQ) -> None:
+        super().__init__(n, seq - PATCHES)
+        g = torch.Generator().manual_seed(17)
+        self.images = torch.randn(n, 3, 16, 16, generator=g)
+        self.tokens[:, 0] = (self.images[:, 0, :8].mean((1, 2)) > 0).long() * 7
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.cat([torch.full((PATCHES,), IMAGE_TOKEN), self.tokens[i]])
+        labels = ids.clone()
+        labels[:PATCHES] = -100
+        return {"idx": torch.tensor(i), "input_ids": ids, "pixel_values": self.images[i], "labels": labels}
+
+
 class PaddedTokenDataset(TokenDataset):
     """Token sequences of different lengths, right-padded: ``attention_mask`` masks the padding, and ``labels`` is
     ``-100`` on the padding and on a short prompt, so samples (and microbatches) predict different numbers of
@@ -229,6 +261,8 @@ def dataset(family: str, n: int = 96, padded: bool = False, seq: int = SEQ) -> D
     """Samples of ``family``; token families: sequences of ``seq + 1`` tokens (the model reads them all)."""
     if family == "hf_vit":
         return ImageDataset(n)
+    if family == "hf_llava":
+        return ImageTextDataset(n, seq)
     return PaddedTokenDataset(n, seq) if padded else TokenDataset(n, seq)
 
 
@@ -238,6 +272,8 @@ def clip(family: str, padded: bool = False) -> float:
 
 def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """What a user's step computes: the model's own loss."""
+    if "pixel_values" in batch and "input_ids" in batch:  # images in the text: a vision-language model
+        return model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
     if "pixel_values" in batch:
         return model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
     tokens = batch["tokens"]

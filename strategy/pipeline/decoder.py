@@ -109,10 +109,13 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
     """Check that ``owner`` (the LightningModule's ``owner_name``) is a decoder whose blocks are ``container``; say
     what is missing when it is not."""
     base_path, _, attr = container.rpartition(".")
-    if "." in base_path:
+    if "." in base_path:  # a composite model: its language model nested in the base model (a vision-language one)
         raise DecoderSplitError(
-            f"{owner_name}.{container} lies {container.count('.')} levels deep; a decoder's blocks sit in its base "
-            f"model (e.g. {owner_name}.model.layers). Pass block_container= naming the blocks of the base model."
+            f"{owner_name}.{container} lies {container.count('.')} levels deep: the blocks belong to a model nested "
+            f"in {type(owner).__name__}'s base model ({owner_name}.{base_path}), as a vision-language model keeps "
+            "its language model beside its vision tower. The pipeline cuts a decoder whose blocks sit in its base "
+            f"model (e.g. {owner_name}.model.layers) and does not cut a composite model yet; train it with data and "
+            "tensor parallel (data_parallel_shard, tensor_parallel), which take it as it is."
         )
     base = owner.get_submodule(base_path) if base_path else owner
     blocks = getattr(base, attr)
