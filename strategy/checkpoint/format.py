@@ -257,10 +257,20 @@ def load_state(
         state = _rebased(state, *names)
     if strict:
         _check_keys(path, stored, state["model"])
+    # A parameter that never had a gradient (a layer the model's forward skips, as LLaVA skips its vision tower's
+    # last layer) has no optimizer state in the checkpoint: only what it holds is read; the fresh state stays.
+    reading = {
+        part: entries
+        if not part.startswith("optimizer_")
+        else {k: v for k, v in entries.items() if not k.startswith("state.") or f"{part}.{k}" in stored}
+        for part, entries in state.items()
+    }
     try:
-        dcp.load(state, **dcp_load)
+        dcp.load(reading, **dcp_load)
     except Exception as err:  # DCP wraps per-rank read failures
         raise CheckpointError(f"could not read {path} (corrupted or incomplete?): {err}") from err
+    for part, entries in reading.items():
+        state[part].update(entries)  # (tensors are read in place; other values replaced in the dict read)
     if names is not None:
         state = _rebased(state, names[1], names[0])
     partial = bool(frozen_base_names(module))  # an adapter's checkpoint: the frozen base stays as it is

@@ -82,13 +82,17 @@ class KeyedModuleList(nn.ModuleList):
 
 @dataclass
 class DecoderShape:
-    """Where a decoder is cut, by dotted names relative to the outer model (the LightningModule's attribute)."""
+    """Where a decoder is cut, by dotted names relative to the outer model (the LightningModule's attribute). In a
+    composite model (a vision-language one) the base model holds a vision tower, a projector and the language model
+    whose blocks are cut: ``text`` is that language model; in a decoder it is the base model itself."""
 
     base: str  # the base model ("model"); "" when the attribute is the base model itself
-    container: str  # the blocks ("model.layers")
+    container: str  # the blocks ("model.layers", "model.language_model.layers")
     pre: list[str] = field(default_factory=list)  # pieces before the blocks, on the first stage ("model.embed_tokens")
     post: list[str] = field(default_factory=list)  # after them, on the last stage ("model.norm", "lm_head")
     router_loss: bool = False  # the loss adds a load-balancing loss: its statistic travels with the hidden states
+    text: str = ""  # the model holding the blocks ("model.language_model"); the base model when it is ""
+    first_only: list[str] = field(default_factory=list)  # the call's arguments only the first stage takes (images)
 
 
 def _child_order(module: nn.Module, plan: dict[str, Any] | None) -> list[str]:
@@ -108,16 +112,18 @@ def _has_params(module: nn.Module | None) -> bool:
 def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> DecoderShape:
     """Check that ``owner`` (the LightningModule's ``owner_name``) is a decoder whose blocks are ``container``; say
     what is missing when it is not."""
-    base_path, _, attr = container.rpartition(".")
-    if "." in base_path:  # a composite model: its language model nested in the base model (a vision-language one)
+    text_path, _, attr = container.rpartition(".")
+    base_path, _, text_attr = text_path.rpartition(".")
+    if "." in base_path:
         raise DecoderSplitError(
-            f"{owner_name}.{container} lies {container.count('.')} levels deep: the blocks belong to a model nested "
-            f"in {type(owner).__name__}'s base model ({owner_name}.{base_path}), as a vision-language model keeps "
-            "its language model beside its vision tower. The pipeline cuts a decoder whose blocks sit in its base "
-            f"model (e.g. {owner_name}.model.layers) and does not cut a composite model yet; train it with data and "
-            "tensor parallel (data_parallel_shard, tensor_parallel), which take it as it is."
+            f"{owner_name}.{container} lies {container.count('.')} levels deep; a decoder's blocks sit in its base "
+            f"model (e.g. {owner_name}.model.layers), a composite model's in the language model beside its vision "
+            f"tower (e.g. {owner_name}.model.language_model.layers)."
         )
-    base = owner.get_submodule(base_path) if base_path else owner
+    if not base_path:  # a decoder: the blocks' model is the base model
+        base_path, text_attr = text_path, ""
+    composite = owner.get_submodule(base_path) if base_path and text_attr else None
+    base = owner.get_submodule(text_path) if text_path else owner
     blocks = getattr(base, attr)
     if not isinstance(blocks, nn.ModuleList):
         raise DecoderSplitError(
@@ -139,7 +145,7 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             raise DecoderSplitError(str(err)) from None
     base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
     at = base_order.index(attr)
-    prefix = f"{base_path}." if base_path else ""
+    prefix = f"{text_path}." if text_path else ""
     pre = [prefix + n for n in base_order[:at] if _has_params(base._modules[n])]
     post = [prefix + n for n in base_order[at + 1 :] if _has_params(base._modules[n])]
     if base_path:
@@ -152,8 +158,20 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
                 "after the blocks only (a head)."
             )
         post += [n for n in owner_order if n != base_path and _has_params(owner._modules[n])]
+    first_only: list[str] = []
+    if composite is not None:  # its other parts (vision tower, projector) run on the first stage, before the text's
+        parts = list(composite._modules)
+        after = [n for n in parts[parts.index(text_attr) + 1 :] if _has_params(composite._modules[n])]
+        if after:
+            raise DecoderSplitError(
+                f"{type(composite).__name__} has modules with parameters registered after its language model "
+                f"({after}); Cuboid runs a composite model's other parts on the first stage, before the blocks."
+            )
+        pre = [f"{base_path}.{n}" for n in parts if n != text_attr and _has_params(composite._modules[n])] + pre
+        text_args = set(inspect.signature(type(base).forward).parameters)
+        first_only = [n for n in inspect.signature(type(composite).forward).parameters if n not in text_args]
     _check_embeddings_pass_through(base, attr, type(base).__name__)
-    return DecoderShape(base_path, container, pre, post, router_loss)
+    return DecoderShape(base_path, container, pre, post, router_loss, text_path if composite else "", first_only)
 
 
 class _Recorder(nn.Module):
@@ -228,6 +246,8 @@ class _StageInfo:
     first: bool
     last: bool
     router_loss: bool = False
+    text: str = ""  # a composite model's language model (later stages run it alone)
+    first_only: tuple[str, ...] = ()
 
 
 class _FixedOutput(nn.Module):
@@ -239,6 +259,8 @@ class _FixedOutput(nn.Module):
         self.output = output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.composite:  # the language model's output, read as the composite model's (its image outputs: None)
+            return _Outputs(self.output)
         if hasattr(self.output, "last_hidden_state"):
             return self.output
         from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -246,10 +268,25 @@ class _FixedOutput(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=self.output[0])
 
 
+class _Outputs:
+    """A composite model's output as its outer forward reads it: ``[0]`` and ``last_hidden_state`` are the language
+    model's hidden states; what only the composite model returns (its image outputs) is None on a later stage."""
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+    def __getitem__(self, index: int) -> Any:
+        return self.output[index]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.output, name, None)
+
+
 @contextmanager
-def _base_replaced(stage: nn.Module, base: str, output: Any) -> Iterator[None]:
+def _base_replaced(stage: nn.Module, base: str, output: Any, composite: bool = False) -> Iterator[None]:
     real = stage._modules[base]
     stage._modules[base] = _FixedOutput(output)
+    stage._modules[base].composite = composite
     try:
         yield
     finally:
@@ -263,6 +300,9 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     parts so far beside the hidden states, and the microbatch's loss beside the logits."""
     info: _StageInfo = self.__dict__["_cuboid_stage"]
     base = self.get_submodule(info.base) if info.base else self
+    if info.text and not info.first:  # a composite model's later stage: its language model alone, no images
+        base = self.get_submodule(info.text)
+        kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
     out = (
         type(base).forward(base, **inputs, use_cache=False, **kwargs)
@@ -274,7 +314,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     if not info.last or not info.base:
         return hidden if parts is None else (hidden, parts)
     mask = {"attention_mask": kwargs["attention_mask"]} if "attention_mask" in kwargs else {}
-    with _base_replaced(self, info.base, out):
+    with _base_replaced(self, info.base, out, composite=bool(info.text)):
         result = type(self).forward(self, use_cache=False, **mask)
     if parts is None:
         return result.logits
@@ -315,6 +355,10 @@ def build_stage(
     if shape.base:
         base = shallow_module_copy(owner.get_submodule(shape.base))
         stage._modules[shape.base] = base
+    if shape.text:  # a composite model: its language model copied too, the blocks cut there
+        text_attr = shape.text.rpartition(".")[2]
+        base._modules[text_attr] = shallow_module_copy(base._modules[text_attr])
+        base = base._modules[text_attr]
     attr = shape.container.rpartition(".")[2]
     by_key = getattr(base, attr)._modules  # keyed as in the whole model (a ModuleList's "0", "1", ...)
     base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
@@ -327,7 +371,9 @@ def build_stage(
         for path in shape.post:
             in_base = shape.base and path.startswith(f"{shape.base}.")
             _set_path(stage, path, nn.Identity() if in_base or not shape.base else None)
-    stage.__dict__["_cuboid_stage"] = _StageInfo(shape.base, first, last, shape.router_loss)
+    stage.__dict__["_cuboid_stage"] = _StageInfo(
+        shape.base, first, last, shape.router_loss, shape.text, tuple(shape.first_only)
+    )
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage
 
@@ -335,7 +381,7 @@ def build_stage(
 def prune(owner: nn.Module, shape: DecoderShape, owned: Sequence[str], first: bool, last: bool) -> None:
     """Keep only this rank's blocks and pieces in ``owner`` itself (what the LightningModule's parameters, state dict
     and checkpoints see), under the whole model's names."""
-    base = owner.get_submodule(shape.base) if shape.base else owner
+    base = owner.get_submodule(shape.text or shape.base) if shape.text or shape.base else owner
     attr = shape.container.rpartition(".")[2]
     keep = set(owned)
     base._modules[attr] = KeyedModuleList([(k, m) for k, m in getattr(base, attr)._modules.items() if k in keep])

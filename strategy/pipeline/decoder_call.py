@@ -106,7 +106,7 @@ def microbatch_output(
     loss = None
     if labels is not None:
         loss_fn = owner.loss_function
-        vocab = owner.config.vocab_size
+        vocab = owner.config.get_text_config().vocab_size  # (a composite model's: its language model's)
         loss = loss_fn(logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=predicted) * microbatches
         if aux_loss is not None:
             loss = loss + owner.router_aux_loss_coef * aux_loss
