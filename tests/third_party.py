@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
@@ -65,6 +65,13 @@ def hf_config(family: str):
         )
         return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
                                         projector_hidden_act="gelu", vision_feature_select_strategy="default")  # fmt: skip
+    if family == "hf_gemma3_vl":  # Gemma 3's multimodal model: a SigLIP tower pooled to 4 tokens, image tokens
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=16, patch_size=4)  # fmt: skip
+        text = transformers.Gemma3TextConfig(vocab_size=VLM_VOCAB, num_key_value_heads=2, head_dim=16,
+                                             max_position_embeddings=64, sliding_window=8, **small)  # fmt: skip
+        return transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                                         image_token_index=IMAGE_TOKEN, boi_token_index=269, eoi_token_index=270)  # fmt: skip
     if family in ("hf_llama", "hf_llama_tied"):
         tied = family == "hf_llama_tied"
         return transformers.LlamaConfig(
@@ -180,6 +187,12 @@ def build_model(family: str) -> nn.Module:
         return transformers.ViTForImageClassification(config)
     if family == "hf_llava":
         return transformers.LlavaForConditionalGeneration(config)
+    if family == "hf_gemma3_vl":
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # transformers starts the projection at zero (a checkpoint fills it): zero image
+            # features through the language model's RMSNorms gave a first gradient norm of 5e18
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+        return model
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -223,17 +236,21 @@ class ImageTextDataset(TokenDataset):
     their places) then the caption's tokens, predicted; the image's brightness pattern sets the caption's first
     token, so the tower's features matter to the loss."""
 
-    def __init__(self, n: int = 96, seq: int = SEQ) -> None:
-        super().__init__(n, seq - PATCHES)
+    def __init__(self, n: int = 96, seq: int = SEQ, patches: int = PATCHES, token_types: bool = False) -> None:
+        super().__init__(n, seq - patches)
+        self.patches, self.token_types = patches, token_types
         g = torch.Generator().manual_seed(17)
         self.images = torch.randn(n, 3, 16, 16, generator=g)
         self.tokens[:, 0] = (self.images[:, 0, :8].mean((1, 2)) > 0).long() * 7
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.cat([torch.full((PATCHES,), IMAGE_TOKEN), self.tokens[i]])
+        ids = torch.cat([torch.full((self.patches,), IMAGE_TOKEN), self.tokens[i]])
         labels = ids.clone()
-        labels[:PATCHES] = -100
-        return {"idx": torch.tensor(i), "input_ids": ids, "pixel_values": self.images[i], "labels": labels}
+        labels[: self.patches] = -100
+        item = {"idx": torch.tensor(i), "input_ids": ids, "pixel_values": self.images[i], "labels": labels}
+        if self.token_types:  # Gemma 3: 1 marks the image's tokens (they attend to each other both ways)
+            item["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        return item
 
 
 class PaddedTokenDataset(TokenDataset):
@@ -263,6 +280,8 @@ def dataset(family: str, n: int = 96, padded: bool = False, seq: int = SEQ) -> D
         return ImageDataset(n)
     if family == "hf_llava":
         return ImageTextDataset(n, seq)
+    if family == "hf_gemma3_vl":
+        return ImageTextDataset(n, seq, patches=4, token_types=True)
     return PaddedTokenDataset(n, seq) if padded else TokenDataset(n, seq)
 
 
@@ -273,7 +292,10 @@ def clip(family: str, padded: bool = False) -> float:
 def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """What a user's step computes: the model's own loss."""
     if "pixel_values" in batch and "input_ids" in batch:  # images in the text: a vision-language model
-        return model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
+        extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
+        return model(
+            input_ids=batch["input_ids"], pixel_values=batch["pixel_values"], labels=batch["labels"], **extra
+        ).loss
     if "pixel_values" in batch:
         return model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
     tokens = batch["tokens"]
