@@ -82,7 +82,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             ``{"model.layers.*.attention.wq": "colwise"}``. Default: the model's own ``tp_plan`` (or a Hugging Face
             ``_tp_plan``), prefixed with its attribute name.
         pipeline_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"InterleavedZeroBubble"``,
-            ``"ZBVZeroBubble"`` or ``"LoopedBFS"`` (``torch.distributed.pipelining``).
+            ``"ZBVZeroBubble"``, ``"LoopedBFS"`` or ``"DualPipeV"`` (``torch.distributed.pipelining``).
         microbatches: Per step; each rank's batch size must be a multiple. Default ``2 x pp x virtual_stages``.
         virtual_stages: Stages per rank: 1 for GPipe/1F1B, default 2 for the interleaved and V schedules.
         pipeline_split: Blocks per stage (``pp x virtual_stages`` numbers); default even.

@@ -30,11 +30,11 @@ from cuboid.pipeline import decoder
 # The schedules Cuboid supports (each has a parity test); their classes come from torch's own registry.
 SCHEDULES: dict[str, type] = {
     name: S.get_schedule_class(name)
-    for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS")
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "LoopedBFS", "DualPipeV")
 }
 MULTI_STAGE = {name for name, cls in SCHEDULES.items() if issubclass(cls, S.PipelineScheduleMulti)}
-V_SHAPED = {"ZBVZeroBubble"}  # stage 0 and the last stage on pp rank 0
-ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble"}  # backward split into input and weight passes
+V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}  # stage 0 and the last stage on pp rank 0
+ZERO_BUBBLE = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}  # backward split into input and weight passes
 
 
 class PipelineError(ValueError):

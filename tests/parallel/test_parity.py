@@ -68,6 +68,7 @@ RUNS["pp2-Interleaved1F1B-ac_full"] = Run(
 )
 RUNS["pp2-InterleavedZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"})
 RUNS["pp2-ZBVZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "ZBVZeroBubble"})
+RUNS["pp2-DualPipeV"] = Run(2, {**PP, "pipeline_schedule": "DualPipeV"})  # torch 2.13's DeepSeek-V3 schedule
 RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2, ledger=True)
 RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = Run(
     4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True, ledger=True
@@ -296,13 +297,14 @@ def test_pipeline_is_real(name: str, results) -> None:
     kwargs = RUNS[name].strategy
     schedule = kwargs.get("pipeline_schedule", "1F1B")
     ranks = results[name]["ranks"]
-    n_stages = 4 if schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble") else 2
+    v_shaped = schedule in ("ZBVZeroBubble", "DualPipeV")
+    n_stages = 4 if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") or v_shaped else 2
     per_stage = 4 // n_stages
     mesh = torch.tensor(results[name]["mesh"])  # (pp, dp_replicate, dp_shard, tp) -> global rank
     for facts in ranks:
         assert facts["schedule"] == f"Schedule{schedule}"
         pp_rank = int((mesh == facts["rank"]).nonzero()[0, 0])
-        stages = [pp_rank, 2 * 2 - 1 - pp_rank] if schedule == "ZBVZeroBubble" else list(range(pp_rank, n_stages, 2))
+        stages = [pp_rank, 2 * 2 - 1 - pp_rank] if v_shaped else list(range(pp_rank, n_stages, 2))
         blocks = {str(b) for s in stages for b in range(s * per_stage, (s + 1) * per_stage)}
         held = {p.split(".")[2] for p in facts["params"] if p.startswith("model.layers.")}
         assert held == blocks, (facts["rank"], held, blocks)
