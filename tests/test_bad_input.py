@@ -137,14 +137,13 @@ def _train_config(**overrides: object) -> None:
 # name -> (what to run, exception type, a regex the message must contain)
 
 
-def _decoder_that_scales_embeddings_in_forward() -> None:
-    """transformers' Granite multiplies inputs_embeds inside its base model's forward; cut for pp2."""
+def _decoder_that_adds_to_its_embeddings_in_forward() -> None:
+    """transformers' GPT-2 adds its learned positions to inputs_embeds inside its base model's forward; cut for pp2.
+    (Granite's multiplier, a number the forward keeps, is applied once on the first stage instead.)"""
     import transformers
 
-    config = transformers.GraniteConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, embedding_multiplier=12.0,
-    )  # fmt: skip
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)  # fmt: skip
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -389,10 +388,10 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         PipelineError,
         "nn.ModuleDict keyed '0', '1'",
     ),  # fmt: skip
-    "a transformers decoder that transforms its embeddings inside forward, under pp": (
-        _decoder_that_scales_embeddings_in_forward,
+    "a transformers decoder that adds to its embeddings inside forward (GPT-2's positions), under pp": (
+        _decoder_that_adds_to_its_embeddings_in_forward,
         PipelineError,
-        "does not hand inputs_embeds to its first block unchanged",
+        "GPT2Model.forward failed when run from inputs_embeds with its blocks replaced",
     ),
     "a pipelined step that calls the model twice": (
         _pipelined_step_calling_the_model_twice,

@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_granite": 0.13, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
@@ -57,6 +57,10 @@ def hf_config(family: str):
     import transformers
 
     small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+    if family == "hf_granite":  # embeddings scaled inside the base model's forward, residual and logit multipliers
+        return transformers.GraniteConfig(vocab_size=256, num_key_value_heads=2, max_position_embeddings=64,
+                                          embedding_multiplier=12.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.0625, logits_scaling=8.0, **small)  # fmt: skip
     if family == "hf_llava":  # a CLIP vision tower and a projector feeding a Llama: a composite model
         vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, image_size=16, patch_size=4)  # fmt: skip

@@ -33,7 +33,6 @@ them again on every later stage, and is refused); the outer model calls the base
 
 from __future__ import annotations
 
-import copy
 import inspect
 import types
 from collections.abc import Iterator, Sequence
@@ -54,30 +53,12 @@ from cuboid.experts import (
     check_router_loss_model,
     router_loss_model,
 )
-
-
-class DecoderSplitError(ValueError):
-    """Raised (as the pipeline's own PipelineError) when a model is not of the decoder shape."""
-
-
-class KeyedModuleList(nn.ModuleList):
-    """A ``ModuleList`` that keeps its children's original keys (``"4"``, ``"5"``, ...), so a stage holding blocks 4
-    to 7 names their parameters ``layers.4...`` as the whole model does. Iteration, ``len`` and slicing (what a
-    decoder's forward uses: ``self.layers[: n]``) go by position."""
-
-    def __init__(self, items: Sequence[tuple[str, nn.Module]] = ()) -> None:
-        super().__init__()
-        for key, module in items:
-            self.add_module(key, module)
-
-    def __getitem__(self, idx: int | slice) -> Any:
-        values = list(self._modules.values())
-        if isinstance(idx, slice):
-            return nn.ModuleList(values[idx])
-        return values[idx]
-
-    def keyed_items(self) -> list[tuple[str, nn.Module]]:
-        return list(self._modules.items())
+from cuboid.pipeline.decoder_probe import (
+    DecoderSplitError,
+    KeyedModuleList,
+    check_embeddings_pass_through,
+    stage_config,
+)
 
 
 @dataclass
@@ -92,6 +73,7 @@ class DecoderShape:
     post: list[str] = field(default_factory=list)  # after them, on the last stage ("model.norm", "lm_head")
     router_loss: bool = False  # the loss adds a load-balancing loss: its statistic travels with the hidden states
     text: str = ""  # the model holding the blocks ("model.language_model"); the base model when it is ""
+    embed_scale: str = ""  # the attribute by which the forward scales inputs_embeds (Granite's), 1 on later stages
     first_only: list[str] = field(default_factory=list)  # the call's arguments only the first stage takes (images)
 
 
@@ -176,74 +158,11 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
                 "ways in every layer, through a mask it builds from them, which its language model alone (a later "
                 "stage) cannot rebuild. Not supported under pipeline_parallel yet; data and tensor parallel take it."
             )
-    _check_embeddings_pass_through(base, attr, type(base).__name__)
-    return DecoderShape(base_path, container, pre, post, router_loss, text_path if composite else "", first_only)
-
-
-class _Recorder(nn.Module):
-    """A stand-in block: records the hidden states it is given and returns them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.seen.append(hidden_states)
-        return hidden_states
-
-
-class _PassThrough(nn.Module):
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-
-def _check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> None:
-    """Run the base model's own forward once on a tiny input, with one recording block and every other child a
-    pass-through: the block must receive ``inputs_embeds`` itself, and the output must be what the block returned.
-    (A forward that scales the embeddings, or transforms the last hidden state outside its modules, would do it
-    again, or not at all, on a stage that starts or ends mid-stack.) Runs on CPU; the model may be on meta."""
-    probe = shallow_module_copy(base)
-    recorder = _Recorder()
-    for child in list(probe._modules):
-        probe._modules[child] = _PassThrough()
-    probe._modules[attr] = KeyedModuleList([("0", recorder)])
-    config = getattr(base, "config", None)
-    if config is not None:
-        probe.config = _stage_config(config, [0])
-    width = getattr(config, "hidden_size", 8)
-    embeds = torch.zeros(1, 4, width)
-    try:
-        out = probe(inputs_embeds=embeds, use_cache=False)
-    except Exception as err:  # the model's forward needs something a stage does not have
-        raise DecoderSplitError(
-            f"{name}.forward failed when run from inputs_embeds with its blocks replaced ({type(err).__name__}: "
-            f"{err}); Cuboid cannot run it as pipeline stages."
-        ) from err
-    hidden = getattr(out, "last_hidden_state", None)
-    if hidden is None and isinstance(out, tuple | list):
-        hidden = out[0]
-    if len(recorder.seen) != 1 or recorder.seen[0] is not embeds:
-        raise DecoderSplitError(
-            f"{name}.forward does not hand inputs_embeds to its first block unchanged (it scales or transforms the "
-            "embeddings itself, as Granite does): a later pipeline stage would apply that again to the hidden states "
-            "it receives. This family is not supported under pipeline_parallel yet."
-        )
-    if hidden is not recorder.seen[0]:
-        raise DecoderSplitError(
-            f"{name}.forward changes the hidden states after its blocks outside its own modules: a stage that ends "
-            "mid-stack would apply that too early. This family is not supported under pipeline_parallel yet."
-        )
-
-
-def _stage_config(config: Any, indices: Sequence[int]) -> Any:
-    """A copy of the model's config for a stage holding the blocks ``indices``: per-layer lists (``layer_types``,
-    the full or sliding-window attention of each block, which a forward reads by the block's position in the
-    stack) are cut to those blocks."""
-    staged = copy.copy(config)
-    types_ = getattr(config, "layer_types", None)
-    if isinstance(types_, list | tuple) and len(types_) == getattr(config, "num_hidden_layers", -1):
-        object.__setattr__(staged, "layer_types", [types_[i] for i in indices])
-    return staged
+    scale = check_embeddings_pass_through(base, attr, type(base).__name__)
+    text = text_path if composite else ""
+    return DecoderShape(
+        base_path, container, pre, post, router_loss, text=text, first_only=first_only, embed_scale=scale or ""
+    )
 
 
 @dataclass
@@ -369,10 +288,12 @@ def build_stage(
     by_key = getattr(base, attr)._modules  # keyed as in the whole model (a ModuleList's "0", "1", ...)
     base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
     if getattr(base, "config", None) is not None:
-        base.config = _stage_config(base.config, [list(all_keys).index(k) for k in keys])
+        base.config = stage_config(base.config, [list(all_keys).index(k) for k in keys])
     if not first:
         for path in shape.pre:
             _set_path(stage, path, None)
+        if shape.embed_scale:  # the first stage scaled inputs_embeds; the hidden states received are scaled
+            setattr(base, shape.embed_scale, 1.0)
     if not last:
         for path in shape.post:
             in_base = shape.base and path.startswith(f"{shape.base}.")

@@ -61,6 +61,9 @@ RUNS: dict[str, Run] = {
     # the tower and projector on the first stage, their features in its activations; the language model's blocks cut
     "hf_llava-pp2": Run(2, {"model": "hf_llava", "strategy": {"pipeline_parallel": 2}}),
     "hf_llava-pp2xtp2": Run(4, {"model": "hf_llava", "strategy": {"pipeline_parallel": 2, **TP2}}),
+    # Granite: its base model's forward scales the embeddings (embedding_multiplier): once, on the first stage
+    "hf_granite-pp2": Run(2, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2}}),
+    "hf_granite-pp2xtp2": Run(4, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2, **TP2}}),
     # Gemma 3's multimodal model: a SigLIP tower pooled to 4 image tokens, which attend to each other both ways
     # (token_type_ids), a Gemma 3 language model with sliding and global layers
     "hf_gemma3_vl-dp2": Run(2, {"model": "hf_gemma3_vl", "strategy": {}}),

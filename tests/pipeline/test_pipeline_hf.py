@@ -322,20 +322,28 @@ def test_two_stages_compute_what_the_model_computes(family: str) -> None:
     assert abs(float(sum(losses) / 2) - float(want.loss)) <= 1e-6 * float(want.loss)
 
 
-def test_a_model_that_scales_its_embeddings_in_forward_is_refused_with_the_reason() -> None:
-    """Granite multiplies inputs_embeds inside its base model's forward: a later stage would do it again."""
+def test_a_model_that_scales_its_embeddings_in_forward_scales_them_on_the_first_stage_only() -> None:
+    """Granite multiplies inputs_embeds by embedding_multiplier inside its base model's forward: found by the probe,
+    and a later stage's copy has it at 1 (it receives scaled hidden states); the model itself keeps its value.
+    (Parity at pp2 and pp2 x tp2: tests/models/test_third_party.py.)"""
     import transformers
 
     from cuboid.parallel.plans import find_blocks
-    from cuboid.pipeline.stages import PipelineError, find_pipeline_split
+    from cuboid.pipeline import decoder
+    from cuboid.pipeline.stages import find_pipeline_split
 
     config = transformers.GraniteConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, embedding_multiplier=12.0,
     )  # fmt: skip
     lm = _lm(transformers.AutoModelForCausalLM.from_config(config))
-    with pytest.raises(PipelineError, match="does not hand inputs_embeds to its first block unchanged"):
-        find_pipeline_split(lm, find_blocks(lm))
+    split = find_pipeline_split(lm, find_blocks(lm))
+    assert split.shape is not None and split.shape.embed_scale == "embedding_multiplier"
+    keys = split.block_keys
+    first = decoder.build_stage(lm.model, split.shape, keys[:1], keys, True, False)
+    later = decoder.build_stage(lm.model, split.shape, keys[1:], keys, False, True)
+    assert first.model.embedding_multiplier == 12.0 and later.model.embedding_multiplier == 1.0
+    assert lm.model.model.embedding_multiplier == 12.0
 
 
 def test_a_step_whose_keyword_tensors_cannot_be_split_is_refused() -> None:
