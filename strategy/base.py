@@ -125,8 +125,8 @@ class MeshCollectives:
                 "no random-number tracker. Use weights_init='rank0' (or 'auto', which chooses it under offload)."
             )
         self.weights_init = weights_init
-        self.deferred = DeferredReductions(defer_reductions)
-        self.deferred.hsdp, self.deferred.pipelined = self.dims.layout.dp_replicate > 1, self.dims.layout.pp > 1
+        layout = self.dims.layout
+        self.deferred = DeferredReductions(defer_reductions, hsdp=layout.dp_replicate > 1, pipelined=layout.pp > 1)
         check_plan_styles(tensor_parallel_plan)
         self.context = ContextParallel(self.dims, compile, activation_checkpointing)
         self.load_balancing = LoadBalancing(load_balancing)

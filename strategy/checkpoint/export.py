@@ -36,13 +36,14 @@ def read_model_weights(path: str | Path, dtype: torch.dtype | None = None) -> di
         if weights is None:
             raise CheckpointError(f"{path} is a file without a 'state_dict': not a Cuboid or Lightning checkpoint.")
         return {key: (t.to(dtype) if dtype else t) for key, t in weights.items()}
-    metadata = dcp_reader(path).read_metadata()
+    reader = dcp_reader(path)
+    metadata = reader.read_metadata()
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=dcp_reader(path), no_dist=True)
+    dcp.load(state, storage_reader=reader, no_dist=True)
     return {key[len("model.") :]: (t.to(dtype) if dtype else t) for key, t in state.items()}
 
 

@@ -302,10 +302,10 @@ def _load_sharded(
     """
     check_loadable(path)
     verify_checkpoint(path)
-    stored = set(dcp_reader(path).read_metadata().state_dict_metadata)
+    reader = dcp_reader(path)  # (one reader: its metadata read here, its shards by DCP's load)
+    stored = set(reader.read_metadata().state_dict_metadata)
     meta = load_pickled(path / META_FILE, weights_only)
-    where = {"storage_reader": dcp_reader(path)} if isinstance(path, RemotePath) else {"checkpoint_id": path}
-    load_state(path, module, optimizers, strict, stored, **where)
+    load_state(path, module, optimizers, strict, stored, storage_reader=reader)
     rng_file = path / RNG_DIR / f"rank{rank()}.pt"
     if rng_file.is_file() and same_world(meta):
         restore_rng(torch.load(readable(rng_file), map_location="cpu", weights_only=True))

@@ -114,8 +114,8 @@ class RunLock:
     def _keep_fresh(self) -> None:
         while not self._stop.wait(self.refresh):
             with contextlib.suppress(OSError):
-                if isinstance(self.path, RemotePath):
-                    self.path.write_text(json.dumps(self.me))  # its time stamp is the object's: written again
+                if isinstance(self.path, RemotePath):  # its time stamp is the object's: written again
+                    self._overwrite()
                 else:
                     os.utime(self.path)
 

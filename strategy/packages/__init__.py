@@ -49,7 +49,6 @@ def install() -> str:
             "`pytorch_lightning`. Install one (`pip install lightning`, which brings `pytorch_lightning` with it)."
         )
     alias = "lightning" not in packages
-    after = AfterImport()
-    sys.meta_path[:0] = [MirrorFinder(alias=alias), after]
-    register_everywhere(after)
+    sys.meta_path[:0] = [MirrorFinder(alias=alias), AfterImport()]
+    register_everywhere()
     return "pytorch_lightning" if alias else "lightning"

@@ -84,8 +84,9 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return None
 
 
-def register_everywhere(finder: AfterImport) -> None:
-    """Register in the registries already imported; ``finder`` (on ``sys.meta_path``) takes the others later."""
+def register_everywhere() -> None:
+    """Register in the registries already imported (an :class:`AfterImport` on ``sys.meta_path`` takes the others
+    as they are imported)."""
     for name in REGISTRIES:
         module = sys.modules.get(name)
         if module is not None:

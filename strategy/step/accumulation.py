@@ -37,9 +37,9 @@ MODES: tuple[DeferMode | None, ...] = ("replicas", "all", None)
 
 class DeferredReductions:
     """``defer_reductions`` for one strategy (see the module docstring); ``hsdp``: its FSDP mesh spans replicas;
-    ``pipelined``: pipeline parallel (the strategy sets both from its degrees)."""
+    ``pipelined``: pipeline parallel (both from the strategy's degrees)."""
 
-    def __init__(self, mode: DeferMode | None = "replicas") -> None:
+    def __init__(self, mode: DeferMode | None = "replicas", hsdp: bool = False, pipelined: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(
                 f"defer_reductions={mode!r}: choose 'replicas' (HSDP's all-reduce once per optimizer step), 'all' "
@@ -47,8 +47,8 @@ class DeferredReductions:
                 "(every microbatch reduces)."
             )
         self.mode = mode
-        self.hsdp = False
-        self.pipelined = False
+        self.hsdp = hsdp
+        self.pipelined = pipelined
         self._deferred: list[nn.Module] = []  # units left with their all-reduce pending by the last window
 
     @contextmanager

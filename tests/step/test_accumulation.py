@@ -51,8 +51,7 @@ def test_deferred_gradients_equal_reducing_every_microbatch(hsdp_mesh, mode: str
     batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     grads = {}
     for name, how in (("every", None), ("deferred", mode)):
-        model, deferred = _sharded(hsdp_mesh), DeferredReductions(how)
-        deferred.hsdp = True
+        model, deferred = _sharded(hsdp_mesh), DeferredReductions(how, hsdp=True)
         for x in batches[:-1]:
             with deferred.accumulating(model):
                 model(x).sum().backward()
@@ -63,8 +62,7 @@ def test_deferred_gradients_equal_reducing_every_microbatch(hsdp_mesh, mode: str
 
 
 def test_a_unit_without_gradients_on_the_last_microbatch_is_refused_by_name(hsdp_mesh) -> None:
-    model, deferred = _sharded(hsdp_mesh), DeferredReductions("replicas")
-    deferred.hsdp = True
+    model, deferred = _sharded(hsdp_mesh), DeferredReductions("replicas", hsdp=True)
     with deferred.accumulating(model):
         model(torch.randn(3, 4)).sum().backward()
     assert deferred.pending
@@ -78,8 +76,7 @@ def test_nothing_is_deferred_where_nothing_would_be_saved() -> None:
     sets the flags itself; ``None`` defers nothing; a bad mode is refused with the choices."""
     model = nn.Linear(2, 2)
     for mode, hsdp, pipelined in (("replicas", False, False), ("all", True, True), (None, True, False)):
-        deferred = DeferredReductions(mode)
-        deferred.hsdp, deferred.pipelined = hsdp, pipelined
+        deferred = DeferredReductions(mode, hsdp=hsdp, pipelined=pipelined)
         with deferred.accumulating(model):
             pass
         assert not deferred.pending
