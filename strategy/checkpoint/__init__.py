@@ -11,7 +11,7 @@ from cuboid.checkpoint.hooks import CheckpointHooks
 from cuboid.checkpoint.pretrained import PretrainedError
 from cuboid.checkpoint.pretrained import load as load_pretrained
 from cuboid.checkpoint.pretrained import plan_all as plan_pretrained
-from cuboid.checkpoint.resume import restored_names
+from cuboid.checkpoint.resume import DataPosition, restored_names
 from cuboid.checkpoint.sharded import CheckpointDamaged, latest_checkpoint
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointHooks",
     "CheckpointReader",
     "Checkpointer",
+    "DataPosition",
     "FORMATS",
     "LoadRequest",
     "PretrainedError",

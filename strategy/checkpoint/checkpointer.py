@@ -2,9 +2,10 @@
 
 :class:`Checkpointer` owns everything about checkpoints that outlives one call: the format to write,
 whether saves run in the background (and the pending one), the gloo process group those use, the
-removals deferred while a ``last`` link still points at a checkpoint, the batches a mid-epoch resume
-skips, and the model's parameter order before a pipeline split. The strategy's Lightning hooks call it
-in one line each. The on-disk formats implement one interface (:mod:`cuboid.checkpoint.format`): Cuboid writes
+removals deferred while a ``last`` link still points at a checkpoint, the data position (a
+:class:`~cuboid.checkpoint.resume.DataPosition`: what a save records of the data, where the next train loader
+starts after a load), and the model's parameter order before a pipeline split. The strategy's Lightning hooks call
+it in one line each; what it needs of the run (the trainer, this rank's data-parallel rank and degree) they hand it. The on-disk formats implement one interface (:mod:`cuboid.checkpoint.format`): Cuboid writes
 :class:`~cuboid.checkpoint.sharded.ShardedFormat` or :class:`~cuboid.checkpoint.full.FullFormat`, and loads
 those and :class:`~cuboid.checkpoint.lightning.LightningFormat` (Lightning's strategies' directories).
 
@@ -42,20 +43,7 @@ from cuboid.checkpoint.format import (
 )
 from cuboid.checkpoint.full import FullFormat
 from cuboid.checkpoint.lightning import LightningFormat
-from cuboid.checkpoint.resume import (
-    DATA_POSITIONS,
-    RestartedEpoch,
-    ResumedLoader,
-    SkipFirstBatches,
-    TrackedLoader,
-    check_position,
-    deal_as_dataloader,
-    distributed_sampler,
-    gather_loader_states,
-    keeps_state,
-    plan_resume,
-    save_position,
-)
+from cuboid.checkpoint.resume import DataPosition
 from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat, checkpoints_newest_first
 from cuboid.storage import RemotePath
 
@@ -70,12 +58,18 @@ class Checkpointer:
         format: ``"sharded"`` or ``"full"``: what :meth:`save` writes (either loads).
         async_save: Write in the background once the state is copied to host memory.
         barrier: Waits for every rank (the strategy's barrier): :meth:`link` ends with it.
+        position: The data position it saves and resumes (a fresh ``DataPosition("exact")`` when none is given).
     """
 
     def __init__(
-        self, format: str = "sharded", async_save: bool = False, barrier: Callable[[], None] = lambda: None
+        self,
+        format: str = "sharded",
+        async_save: bool = False,
+        barrier: Callable[[], None] = lambda: None,
+        position: DataPosition | None = None,
     ) -> None:
         self.format = format
+        self.position = position if position is not None else DataPosition()
         self.async_save = async_save
         # Advanced: a callable (directory -> DCP StorageWriter) to write sharded checkpoints elsewhere or differently.
         self.storage_writer: Callable[[Path], Any] | None = None
@@ -86,13 +80,6 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._stager: Any = None
         self._deferred_removals: list[Path] = []
-        self._resume_skip = 0
-        self._resume_position: dict[str, Any] | None = None
-        self._resumed_at: tuple[int, ...] = (-1, 0, 0)  # (epoch, samples, batches) where this run resumed
-        self._restart_epoch = False
-        self._restored_states = 0  # batches done in the epoch of loader states restored by Lightning
-        self.data_position = "exact"
-        self.dp = (0, 1)  # this rank's data-parallel rank and the degree, set by the strategy before a load
         self._barrier = barrier
         # Set by the main job for ckpt_path=auto: a damaged checkpoint (checksums) makes way for the newest earlier
         # one that verifies, with a warning; otherwise the load stops, naming the damaged files.
@@ -133,17 +120,12 @@ class Checkpointer:
     @property
     def data_position(self) -> str:
         """Where a mid-epoch resume starts: ``"exact"`` (at the checkpoint's data position) or ``"epoch"`` (the
-        interrupted epoch read again from its start, on any layout)."""
-        return self._data_position
+        interrupted epoch read again from its start, on any layout); the :attr:`position`'s ``mode``."""
+        return self.position.mode
 
     @data_position.setter
     def data_position(self, value: str) -> None:
-        if value not in DATA_POSITIONS:
-            raise ValueError(
-                f"data_position={value!r}; choose 'exact' (resume where the checkpoint was taken) or 'epoch' (read "
-                "the interrupted epoch again from its start)."
-            )
-        self._data_position = value
+        self.position.mode = value
 
     @property
     def format(self) -> str:
@@ -164,41 +146,17 @@ class Checkpointer:
         trainer: Any,
         layout_sizes: tuple[int, ...],
         mesh: Any,
+        *,
+        dp: tuple[int, int],
     ) -> None:
-        """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically)."""
+        """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically), with where
+        the data stands. ``dp``: this rank's data-parallel rank and the degree."""
         checkpoint.pop("state_dict", None)
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
-        epoch, batches = trainer.fit_loop.epoch_progress.current, trainer.fit_loop.epoch_loop.batch_progress
-        # Lightning resumes mid-epoch only from an epoch its own counters call unfinished (started, not yet
-        # processed); a save at the epoch's end, after fit, or after max_steps stopped fit mid-epoch resumes with
-        # the next epoch from its start, which must not be skipped into.
-        mid_epoch = epoch.started > epoch.processed and not batches.is_last_batch
-        data = self.data_state(trainer, batches.current.processed if mid_epoch else 0)
+        data = self.position.saved(trainer, checkpoint, dp)
         checkpoint["cuboid"] = {"layout": layout_sizes, "world_size": dist.get_world_size(), **data}
-        if mid_epoch and data["data_position"] is None:  # each dp rank's loader state, if kept
-            dp_rank = trainer.strategy.distributed_sampler_kwargs["rank"]
-            checkpoint["cuboid"]["loader_states"] = gather_loader_states(checkpoint, dp_rank, data["loaders"])
         self.write(path, module, optimizers, checkpoint, mesh)
-
-    def data_state(self, trainer: Any, done: int) -> dict[str, Any]:
-        """Where the data stands ``done`` batches into the epoch (0: at its start), for a checkpoint or a heal:
-        the dp degree, the loaders, the batches done (a mid-epoch resume skips them) and the samples consumed
-        over every dp rank (a resume on any dp degree starts there). No collective."""
-        loader = trainer.train_dataloader
-        return {
-            "dp": trainer.strategy.distributed_sampler_kwargs["num_replicas"],
-            "loaders": [type(getattr(one, "_loader", one)).__name__ for one in getattr(loader, "flattened", [loader])],
-            "batches_done_in_epoch": done,
-            "data_position": save_position(trainer, done, self._resumed_at) if done else None,
-        }
-
-    def resume_data(self, state: dict[str, Any], dp: tuple[int, int]) -> None:
-        """Take a data state (:meth:`data_state`, a live replica group's) as a checkpoint's: the next train loader
-        starts there. ``dp``: this rank's data-parallel rank and the degree."""
-        self.dp = dp
-        self._resume_skip, self._restart_epoch = plan_resume({"cuboid": state}, self.data_position, *dp)
-        self._resume_position = state.get("data_position")
 
     def write(
         self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], state: dict[str, Any], mesh: Any
@@ -253,10 +211,17 @@ class Checkpointer:
         return getattr(pending, "error", None)
 
     def load(
-        self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        strict: bool,
+        weights_only: bool | None,
+        dp: tuple[int, int] = (0, 1),
     ) -> dict[str, Any]:
         """Load ``path`` (a Cuboid directory or file, or a Lightning strategy's) into this layout, whatever format
-        is set for saving; return Lightning's state."""
+        is set for saving; return Lightning's state. ``dp``: this rank's data-parallel rank and the degree, which
+        the data position resumes on (a Fabric loop's load resumes no loader: one rank of one)."""
         check_loadable(path, allow_file=True)
         try:
             meta = self._load_one(path, module, optimizers, strict, weights_only)
@@ -264,10 +229,7 @@ class Checkpointer:
             if not self.fall_back_when_damaged:
                 raise
             meta = self._load_previous(damaged, module, optimizers, strict, weights_only)
-        self._resume_skip, self._restart_epoch = plan_resume(meta, self.data_position, *self.dp)
-        restored = self._resume_skip == 0 and meta.get("cuboid", {}).get("loader_states")
-        self._restored_states = meta["cuboid"]["batches_done_in_epoch"] if restored else 0
-        self._resume_position = meta.get("cuboid", {}).get("data_position")
+        self.position.resume(meta, dp)
         return meta
 
     def _load_one(
@@ -300,45 +262,6 @@ class Checkpointer:
             )
             return meta
         raise damaged
-
-    def resume_loader(self, dataloader: Any, trainer: Any) -> Any:
-        """The train loader for this run (:func:`~cuboid.checkpoint.resume.plan_resume` says which case): one
-        Lightning deals with a ``DistributedSampler`` starts at the checkpoint's data position, reading nothing
-        it skips; one with its own state is tracked so a save keeps the trained batches' state; with
-        ``data_position="epoch"`` the interrupted epoch is read again; any other skips the epoch's trained
-        batches by drawing them (once)."""
-        if trainer is not None and trainer.training:
-            dataloader = deal_as_dataloader(dataloader)
-        found = self._resume_position
-        sampler = distributed_sampler(dataloader)
-        if found and sampler is not None and trainer is not None and trainer.training:
-            check_position(found, sampler)
-            epoch, samples, done = found["epoch"], found["samples"], self._resume_skip
-            self._resume_position, self._resume_skip, self._resumed_at = None, 0, (epoch, samples, done)
-            rank_zero_info(
-                f"Cuboid: resuming epoch {epoch} at sample {samples} of {found['length']} (counted over every "
-                f"data-parallel rank), on {sampler.num_replicas} of them; the samples before it are not read"
-            )
-            return ResumedLoader(dataloader, sampler, epoch, samples, self._resumed_at[2])
-        if trainer is None or not trainer.training:
-            return dataloader
-        if self._restart_epoch:
-            epoch, done = trainer.fit_loop.epoch_progress.current.processed, self._resume_skip
-            self._restart_epoch, self._resume_skip = False, 0
-            if sampler is None and keeps_state(dataloader):
-                dataloader = TrackedLoader(dataloader, trainer.fit_loop.epoch_loop.batch_progress, done)
-            rank_zero_info(f"Cuboid: data_position='epoch': reading epoch {epoch} again from its start")
-            return RestartedEpoch(dataloader, epoch, done)
-        if sampler is None and keeps_state(dataloader) and not self._resume_skip:
-            # Lightning restores this rank's own state into it; the states a save keeps are the trained batches'
-            done, self._restored_states = self._restored_states, 0
-            return TrackedLoader(dataloader, trainer.fit_loop.epoch_loop.batch_progress, done)
-        if self._resume_skip:
-            skip = self._resume_skip
-            dataloader = SkipFirstBatches(dataloader, skip, trainer.fit_loop.epoch_progress.current.processed)
-            self._resume_skip = 0
-            rank_zero_info(f"Cuboid: resuming mid-epoch, skipping the {skip} batches of this epoch already trained")
-        return dataloader
 
     def remove(self, path: Path) -> None:
         """ModelCheckpoint deletes the previous top-k right after a save: never before the new one is complete,

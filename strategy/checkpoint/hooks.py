@@ -60,9 +60,8 @@ class CheckpointHooks:
             return
         path, trainer = to_path(self.broadcast(str(filepath)), storage_options), self.lightning_module.trainer
         self.buffers.sync()
-        self.checkpointer.save(
-            path, checkpoint, self._saved_module(), self.optimizers, trainer, self.layout.sizes, self.device_mesh
-        )
+        saved, optimizers, sizes, mesh = self._saved_module(), self.optimizers, self.layout.sizes, self.device_mesh
+        self.checkpointer.save(path, checkpoint, saved, optimizers, trainer, sizes, mesh, dp=self._data_parallel())
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background (async) save has been written and renamed into place."""
@@ -84,9 +83,13 @@ class CheckpointHooks:
         path, strict = to_path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's for a strategy that restores after setup
             weights_only = compat.requested_weights_only()
+        dp = self._data_parallel()
+        return self.checkpointer.load(path, self._saved_module(), self.optimizers, strict, weights_only, dp)
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """This rank's data-parallel rank and the degree (what the checkpointer's data position is counted over)."""
         dp = self.distributed_sampler_kwargs
-        self.checkpointer.dp = (dp["rank"], dp["num_replicas"])
-        return self.checkpointer.load(path, self._saved_module(), self.optimizers, strict, weights_only)
+        return dp["rank"], dp["num_replicas"]
 
     def _saved_module(self) -> Any:
         """The module whose state a checkpoint holds: the model, or under DDP the LightningModule it wraps (its
@@ -113,4 +116,4 @@ class CheckpointHooks:
         replicas = getattr(self, "replicas", None)
         if replicas is not None and trainer is not None and trainer.training:
             replicas.join()  # fault-tolerant replica groups: a group behind the others heals (data position too)
-        return compat.seed_workers_by_data_rank(self.checkpointer.resume_loader(dataloader, trainer), dp["rank"])
+        return compat.seed_workers_by_data_rank(self.checkpointer.position.loader(dataloader, trainer), dp["rank"])

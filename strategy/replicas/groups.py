@@ -291,14 +291,14 @@ class ReplicaGroups:
     # --- the heal: what a peer sends, and taking it ----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         trainer, strategy = self._trainer, self._strategy
-        lm = strategy.lightning_module
+        lm, dp_size = strategy.lightning_module, strategy.distributed_sampler_kwargs["num_replicas"]
         return {
             "model": _local(nn.Module.state_dict(lm)),
             "optimizers": [_local(opt.state_dict()) for opt in strategy.optimizers],
             "schedulers": [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs],
             "fit_loop": trainer.fit_loop.state_dict(),
-            "data": strategy.checkpointer.data_state(
-                trainer, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            "data": strategy.checkpointer.position.state(
+                trainer, trainer.fit_loop.epoch_loop.batch_progress.current.processed, dp_size
             ),
         }
 
@@ -319,7 +319,7 @@ class ReplicaGroups:
             config.scheduler.load_state_dict(saved)
         trainer.fit_loop.load_state_dict(_between_steps(state["fit_loop"]))
         sampler = strategy.distributed_sampler_kwargs
-        strategy.checkpointer.resume_data(state["data"], (sampler["rank"], sampler["num_replicas"]))
+        strategy.checkpointer.position.take(state["data"], (sampler["rank"], sampler["num_replicas"]))
         rank_zero_info(
             f"Cuboid: replica group {self.config.replica_group} healed from a live group at step "
             f"{trainer.global_step}: weights, optimizer and scheduler state, loop counters and data position"

@@ -1,20 +1,20 @@
-"""Resuming: the newest complete checkpoint of a directory, what a checkpoint restores (so that it is not initialised
-first), and where a mid-epoch resume starts.
+"""The train loaders a mid-epoch resume hands Lightning, and what a checkpoint restores (so that it is not
+initialised first). Where the data stands, and which of these loaders a resume takes, is
+:mod:`cuboid.checkpoint.resume.data_position`'s.
 
-The data position: where in an epoch's sample order a checkpoint was taken, counted over the whole data-parallel
-group, so a resume on any dp degree or per-rank batch starts there without reading what it skips.
-
-Lightning deals a map-style dataset with ``DistributedSampler``: one permutation of the epoch (seeded by
-``seed + epoch``), padded to a multiple of the dp degree, rank ``r`` taking every dp-th sample from ``r``. Step
-``j``'s global batch is then one contiguous range of that permutation, ``[j B, (j + 1) B)`` with ``B`` the global
-batch (per-rank batch x dp). So a position is one number: the samples consumed so far in the epoch, ``C``. A
-resume takes the permutation's tail from ``C`` and deals it the same way over the *current* dp ranks (padding the
-tail to a multiple of dp as ``DistributedSampler`` does). With the same global batch each later step's global batch
-is the uninterrupted run's; with another, every sample the epoch had not reached is seen once (and the padding, at
-most dp - 1 samples, twice, as in any epoch of ``DistributedSampler``). Nothing skipped is read.
+A loader Lightning deals with ``DistributedSampler`` (a map-style dataset) resumes at a data position: one
+permutation of the epoch (seeded by ``seed + epoch``), padded to a multiple of the dp degree, rank ``r`` taking every
+dp-th sample from ``r``. Step ``j``'s global batch is then one contiguous range of that permutation,
+``[j B, (j + 1) B)`` with ``B`` the global batch (per-rank batch x dp). So a position is one number: the samples
+consumed so far in the epoch, ``C``. A resume takes the permutation's tail from ``C`` and deals it the same way over
+the *current* dp ranks (padding the tail to a multiple of dp as ``DistributedSampler`` does). With the same global
+batch each later step's global batch is the uninterrupted run's; with another, every sample the epoch had not
+reached is seen once (and the padding, at most dp - 1 samples, twice, as in any epoch of ``DistributedSampler``).
+Nothing skipped is read (:class:`ResumedLoader`).
 
 Other samplers and loaders (a ``StatefulDataLoader``, a streaming dataset, a custom sampler) keep the old way: the
-epoch's trained batches are drawn and dropped at the same dp degree (``SkipFirstBatches``).
+epoch's trained batches are drawn and dropped at the same dp degree (:class:`SkipFirstBatches`), or the loader's own
+state is kept per batch (:class:`TrackedLoader`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
@@ -81,7 +80,7 @@ class SkipFirstBatches(_ResumingLoader):
         return len(self._loader)
 
 
-# --- the data position ----------------------------------------------------------------------------------------
+# --- loaders that start at a data position --------------------------------------------------------------------
 def distributed_sampler(loader: Any) -> DistributedSampler | None:
     """The ``DistributedSampler`` a train loader draws from (Lightning's, injected), or None. Lightning puts it in
     the loader's ``sampler``, or, for a loader whose batch sampler is its own class (torchdata's
@@ -132,41 +131,6 @@ def epoch_order(sampler: DistributedSampler, epoch: int) -> list[int]:
     g = torch.Generator()
     g.manual_seed(sampler.seed + epoch)
     return torch.randperm(n, generator=g).tolist()
-
-
-def position(samples: int, epoch: int, sampler: DistributedSampler) -> dict[str, Any]:
-    """What a checkpoint stores: the epoch, the samples consumed in it over all dp ranks, and what the order
-    depends on (the sampler's seed and shuffle, the dataset's length)."""
-    return {"epoch": epoch, "samples": samples, "seed": sampler.seed, "shuffle": sampler.shuffle,
-            "length": len(sampler.dataset)}  # type: ignore[arg-type]  # fmt: skip
-
-
-def save_position(trainer: Any, batches_done: int, resumed_at: tuple[int, ...]) -> dict[str, Any] | None:
-    """The data position of a save ``batches_done`` batches into the epoch, for a loader Lightning deals with a
-    ``DistributedSampler``; None for any other. ``resumed_at``: (epoch, samples, batches) where this run resumed."""
-    loader = trainer.train_dataloader
-    sampler, (batch_size, _) = distributed_sampler(loader), batching(loader)
-    if sampler is None or not batch_size:
-        return None
-    epoch = trainer.current_epoch
-    _, start, at = resumed_at if resumed_at[0] == epoch else (epoch, 0, 0)
-    samples = start + (batches_done - at) * batch_size * sampler.num_replicas
-    return position(min(samples, len(sampler.dataset)), epoch, sampler)
-
-
-def check_position(found: dict[str, Any], sampler: DistributedSampler) -> None:
-    """Refuse a data position taken over another dataset or order, naming both, before any step."""
-    from cuboid.checkpoint.format import CheckpointError
-
-    now = position(0, found["epoch"], sampler)
-    for key, what in (("length", "samples in the dataset"), ("seed", "sampler seed"), ("shuffle", "shuffle")):
-        if found[key] != now[key]:
-            raise CheckpointError(
-                f"the checkpoint was taken at sample {found['samples']} of epoch {found['epoch']} with {found[key]} "
-                f"{what}; this run has {now[key]}, so that position means other samples. Resume with the same "
-                f"dataset and seed (seed_everything, or the main job's seed), or start from a checkpoint taken at an "
-                "epoch's end. No step was run and nothing was overwritten."
-            )
 
 
 class TailSampler(Sampler[int]):
@@ -252,27 +216,6 @@ class RestartedEpoch(_ResumingLoader):
 
 
 # --- loaders that keep their own state (torchdata's StatefulDataLoader, a streaming dataset) -------------------
-DATA_POSITIONS = ("exact", "epoch")
-
-
-def fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's fit-loop entry of a checkpoint dict (where it keeps each train loader's ``state_dict``)."""
-    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-
-
-def gather_loader_states(checkpoint: dict[str, Any], dp_rank: int, loaders: list[str]) -> dict[str, Any] | None:
-    """Every data-parallel rank's train-loader states, for a mid-epoch save without a data position: Lightning
-    keeps only this rank's in the checkpoint dict, and a sharded checkpoint writes that dict once. One object
-    all-gather over the world, at the save (not in a step). None when no loader keeps a state."""
-    mine = fit_loop_state(checkpoint).get("combined_loader") or []
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dp_rank, mine))
-    states = dict(everyone)
-    if not any(any(s) for s in states.values()):
-        return None
-    return {"loaders": loaders, "states": states}
-
-
 class TrackedLoader(_ResumingLoader):
     """A train loader that keeps its own state (torchdata's ``StatefulDataLoader``, a streaming loader), with the
     state it had before each batch was drawn: Lightning draws one batch ahead of the step it runs, so the loader's
@@ -316,51 +259,3 @@ def keeps_state(loader: Any) -> bool:
     return not isinstance(loader, _ResumingLoader) and all(
         callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict")
     )
-
-
-def refuse_other_degree(loaders: list[str], saved: int, now: int, at: int, why: str) -> None:
-    """The error for a mid-epoch checkpoint whose data state cannot be dealt over another dp degree."""
-    from cuboid.checkpoint.format import CheckpointError
-
-    names = ", ".join(loaders) or "the train loader"
-    raise CheckpointError(
-        f"the checkpoint was taken {at} batches into an epoch over {saved} data-parallel ranks, and this run has "
-        f"{now}; {names} {why}, which cannot be dealt over {now}. Choose one: resume on {saved} data-parallel ranks "
-        "(the layout's dp_replicate x dp_shard); or pass data_position='epoch' to CuboidStrategy to read the "
-        "interrupted epoch again from its start on this layout; or resume from a checkpoint taken at an epoch's "
-        "end. A loader Lightning deals with its DistributedSampler (a map-style dataset) resumes on any degree. "
-        "No step was run and nothing was overwritten."
-    )
-
-
-def plan_resume(meta: dict[str, Any], mode: str, dp_rank: int, dp_size: int) -> tuple[int, bool]:
-    """How a mid-epoch checkpoint's data resumes on ``dp_size`` data-parallel ranks: returns (batches to skip by
-    drawing them, whether to read the epoch again from its start), and edits ``meta`` so Lightning restores each
-    rank its own loader state (same degree) or none. Refuses, before any step, what another degree cannot take.
-
-    * ``mode="epoch"``: no loader state, no position; the epoch is read again from its start.
-    * a data position (a ``DistributedSampler``): any degree, handled by :class:`ResumedLoader`.
-    * loader states (torchdata's ``StatefulDataLoader``, a stateful streaming dataset): the same degree gets each
-      dp rank's own state back through Lightning (exact, nothing skipped is read); another degree is refused.
-    * neither (a loader with its own sampler): the epoch's trained batches drawn and dropped at the same degree;
-      another degree is refused (the batches were counted per rank).
-    """
-    cuboid = meta.get("cuboid", {})
-    done, saved = cuboid.get("batches_done_in_epoch", 0), cuboid.get("dp")
-    found, fit = cuboid.get("loader_states"), fit_loop_state(meta)
-    if not done:
-        return 0, False
-    if mode == "epoch":
-        fit.pop("combined_loader", None)
-        cuboid["data_position"] = None
-        return done, True
-    if cuboid.get("data_position"):
-        return done, False
-    if found:
-        if saved != dp_size:
-            refuse_other_degree(found["loaders"], saved, dp_size, done, "keeps one state per data-parallel rank")
-        fit["combined_loader"] = found["states"][dp_rank]
-        return 0, False
-    if saved is not None and saved != dp_size:
-        refuse_other_degree(cuboid.get("loaders", []), saved, dp_size, done, "has no data position to resume from")
-    return done, False
