@@ -3,7 +3,8 @@ packed experts (SwiGLU, ``gate_up_proj``: experts x 2·ffn x dim, ``down_proj``:
 transformers 5 keeps), an optional shared expert, and the load-balancing loss of the Switch Transformer.
 
 Plain PyTorch, no parallelism: ``cuboid.experts`` splits the packed experts over ranks and replaces the experts'
-``forward`` (same signature as transformers' experts implementations) with its all-to-all exchange.
+``forward`` (same signature as transformers' experts implementations) with its all-to-all exchange; whether one
+grouped GEMM runs is its :func:`~cuboid.experts.grouped_mm_runs`, which both forwards ask.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cuboid.experts import grouped_mm_runs
 
 
 class Router(nn.Module):
@@ -26,15 +29,6 @@ class Router(nn.Module):
         probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         return probs, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), index
-
-
-def grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
-    """Whether ``F.grouped_mm`` (torch 2.11+) runs on ``x``'s device and dtype with matrices of these inner
-    dimensions: any float on CPU, bf16 on CUDA (its kernel's only input type there), each dimension a multiple of
-    16 bytes (its strides must be); elsewhere the experts run one by one."""
-    if not hasattr(F, "grouped_mm") or any(d * x.element_size() % 16 for d in dims):
-        return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
 
 
 class Experts(nn.Module):

@@ -7,7 +7,7 @@ from cuboid.experts.balance import active as active_balancing
 from cuboid.experts.balance import loss_of as balancing_loss
 from cuboid.experts.balance import statistics as balancing_statistics
 from cuboid.experts.dispatch import ExpertParallelError, RoutingReplay, combine, dispatch, expert_block
-from cuboid.experts.hf import distribute_experts, experts_modules, shard_experts
+from cuboid.experts.hf import distribute_experts, experts_modules, grouped_mm_runs, shard_experts
 from cuboid.experts.load import ExpertLoad, load_figures
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "distribute_experts",
     "expert_block",
     "experts_modules",
+    "grouped_mm_runs",
     "load_figures",
     "router_loss_model",
     "settle_block_losses",

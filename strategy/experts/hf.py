@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from cuboid.experts.dispatch import ExpertParallelError, combine, dispatch, expert_block
-from cuboid.models.moe import grouped_mm_runs
 
 PACKED = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 GROUP_ATTR = "_cuboid_ep_group"
@@ -64,6 +63,15 @@ def _grouped(
     if bias is None:
         return out
     return out + bias.to(out.dtype).repeat_interleave(counts, dim=0, output_size=rows.shape[0])
+
+
+def grouped_mm_runs(x: torch.Tensor, *dims: int) -> bool:
+    """Whether ``F.grouped_mm`` (torch 2.11+) runs on ``x``'s device and dtype with matrices of these inner
+    dimensions: any float on CPU, bf16 on CUDA (its kernel's only input type there), each dimension a multiple of
+    16 bytes (its strides must be); elsewhere the experts run one by one."""
+    if not hasattr(F, "grouped_mm") or any(d * x.element_size() % 16 for d in dims):
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
 
 
 def _local_experts(
