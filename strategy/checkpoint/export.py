@@ -3,7 +3,8 @@
 Writes a checkpoint's model weights (sharded or full, any training layout) to one safetensors file; a Hugging Face
 directory for a transformers model (``--config``, its own names and config) or, for the reference Llama, a
 ``LlamaForCausalLM`` directory (``--hf``). Apart from the checkpoint core:
-it is the only place that maps Cuboid's checkpoints onto a model family (``cuboid.models``).
+it is the only place that maps Cuboid's checkpoints onto a model family (the reference Llama's names and config, by
+:mod:`cuboid.checkpoint.hf_llama`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from cuboid.adapters import peft_state_dict, write_peft_adapters
 from cuboid.checkpoint.format import META_FILE, CheckpointError, check_loadable, load_pickled
+from cuboid.checkpoint.hf_llama import llama_shape, to_hf_llama, to_hf_llama_adapter
 from cuboid.storage import dcp_reader, to_path
 
 
@@ -70,8 +72,6 @@ def _export_peft(path: Path, weights: dict[str, torch.Tensor], prefix: str, out:
     if not hf:
         return write_peft_adapters(own, configs[model], out)
     # an adapter of the reference Llama, for the Hugging Face LlamaForCausalLM its base was loaded from
-    from cuboid.models.hf_llama import to_hf_llama_adapter
-
     written: list[Path] = []
     for adapter, config in configs[model].items():
         tensors, config = to_hf_llama_adapter(peft_state_dict(own, adapter), config)
@@ -156,17 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             import json
 
-            from cuboid.models.llama import CONFIGS, LlamaConfig, to_hf_llama
-
-            if args.hf in CONFIGS:
-                cfg = CONFIGS[args.hf]
-            else:
-                from omegaconf import OmegaConf
-
-                fields = OmegaConf.to_container(OmegaConf.load(args.hf))
-                fields.pop("_target_", None)
-                cfg = LlamaConfig(**fields)
-            weights, config = to_hf_llama(weights, cfg)
+            weights, config = to_hf_llama(weights, llama_shape(args.hf))
             (out_dir / "config.json").write_text(
                 json.dumps({**config, "torch_dtype": str(next(iter(weights.values())).dtype)[6:]}, indent=1)
             )
