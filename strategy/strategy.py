@@ -359,6 +359,11 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", super().test_step, args, kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1 every rank of the pp group returns the last stage's predictions for the batch."""
+        return self._eval_step("predict_step", super().predict_step, args, kwargs)
+
     def _eval_step(self, hook: str, step: Any, args: tuple, kwargs: dict) -> Any:
         if not self.pipelining.enabled:
             return self._plain_step(step, *args, **kwargs)
@@ -367,13 +372,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.buffers.sync()
         with self.context.step(), self.load_balancing.step(), self.loss_parallel.step(lm, log=False):
             return self.pipelining.eval_step(lm, hook, batch, idx, precision, self.root_device)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipelining.enabled:
-            self.pipelining.refuse_predict()
-        self.buffers.sync()
-        return super().predict_step(*args, **kwargs)
 
     @override
     def on_train_start(self) -> None:

@@ -137,18 +137,39 @@ def _train_config(**overrides: object) -> None:
 # name -> (what to run, exception type, a regex the message must contain)
 
 
-def _decoder_that_adds_to_its_embeddings_in_forward() -> None:
-    """transformers' GPT-2 adds its learned positions to inputs_embeds inside its base model's forward; cut for pp2.
-    (Granite's multiplier, a number the forward keeps, is applied once on the first stage instead.)"""
-    import transformers
+def _decoder_that_lengthens_its_sequence_in_forward() -> None:
+    """A decoder whose base model's forward puts a learned token before the sequence, then runs its blocks on the
+    longer sequence: a later stage, which receives hidden states between two blocks, cannot stand for that. (What
+    keeps the shape, Granite's multiplier and GPT-2's positions, runs once on the first stage.)"""
 
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
-                                     eos_token_id=0)  # fmt: skip
+    class Base(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(64, 8)
+            self.prefix = torch.nn.Parameter(torch.zeros(1, 1, 8))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, input_ids=None, inputs_embeds=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            hidden = torch.cat([self.prefix.expand(hidden.shape[0], -1, -1), hidden], dim=1)
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return (self.norm(hidden),)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Base()
+            self.lm_head = torch.nn.Linear(8, 64)
+
+        def forward(self, input_ids=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            return self.lm_head(self.model(input_ids=input_ids)[0])
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = transformers.AutoModelForCausalLM.from_config(config)
+            self.model = Decoder()
 
     lm = Module()
     find_pipeline_split(lm, find_blocks(lm))
@@ -388,10 +409,11 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         PipelineError,
         "nn.ModuleDict keyed '0', '1'",
     ),  # fmt: skip
-    "a transformers decoder that adds to its embeddings inside forward (GPT-2's positions), under pp": (
-        _decoder_that_adds_to_its_embeddings_in_forward,
+    "a decoder whose forward lengthens its sequence before its blocks, under pp": (
+        _decoder_that_lengthens_its_sequence_in_forward,
         PipelineError,
-        "GPT2Model.forward failed when run from inputs_embeds with its blocks replaced",
+        r"Base.forward hands its first block hidden states of shape \(1, 5, 8\) from inputs_embeds of shape "
+        r"\(1, 4, 8\)",
     ),
     "a pipelined step that calls the model twice": (
         _pipelined_step_calling_the_model_twice,

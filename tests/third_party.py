@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
-        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_granite": 0.13, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_granite": 0.13, "hf_gpt2": 1.5, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
@@ -61,6 +61,10 @@ def hf_config(family: str):
         return transformers.GraniteConfig(vocab_size=256, num_key_value_heads=2, max_position_embeddings=64,
                                           embedding_multiplier=12.0, residual_multiplier=0.22,
                                           attention_multiplier=0.0625, logits_scaling=8.0, **small)  # fmt: skip
+    if family == "hf_gpt2":  # learned positions added inside the base model's forward, a reshape after its blocks,
+        # transposed-weight projections (Conv1D) and a fused q/k/v one, a tied head, no plan of its own in transformers
+        return transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)  # fmt: skip
     if family == "hf_llava":  # a CLIP vision tower and a projector feeding a Llama: a composite model
         vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, image_size=16, patch_size=4)  # fmt: skip
@@ -308,6 +312,12 @@ def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
+def hf_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What a user's predict step returns: the model's logits (a decoder's, on its padded batch's mask too)."""
+    mask = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {}
+    return model(input_ids=batch["tokens"], **mask).logits
+
+
 class HFModule(L.LightningModule):
     """A LightningModule around a transformers model, as users write one: no parallel code in it."""
 
@@ -332,6 +342,9 @@ class HFModule(L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.val_loss.update(hf_loss(self.model, batch))
         self.log("val_loss", self.val_loss)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return hf_logits(self.model, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # what LoRA fine-tunes write (PEFT's examples, litgpt): the trainable parameters only

@@ -34,11 +34,20 @@ __all__ = [
 ]
 
 
+# Plans for transformers base models that carry none, relative to the base model, as a ``base_model_tp_plan`` is.
+# GPT-2: its MLP's transposed-weight layers (Conv1D) split as a Llama's are; its attention stays whole on every tp
+# rank (its one fused q/k/v layer is split by its forward at the whole width), so its gradients are equal there.
+FAMILY_PLANS: dict[str, dict[str, str]] = {
+    "GPT2Model": {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+}
+
+
 def find_model_plan(root: nn.Module) -> dict[str, str]:
     """The plan a model carries, with keys prefixed by where the model sits inside ``root``.
 
     Looks, outermost first, for a ``tp_plan`` attribute (Cuboid's reference models), a Hugging
-    Face ``_tp_plan`` attribute, or ``config.base_model_tp_plan``. Hugging Face base-model plans
+    Face ``_tp_plan`` attribute, or ``config.base_model_tp_plan``, else Cuboid's plan for a transformers base model
+    that has none (:data:`FAMILY_PLANS`). Hugging Face base-model plans
     are relative to the base model (``model.model`` inside a ``*ForCausalLM``). Only a module's own attributes
     count: a wrapper that forwards unknown attributes to what it wraps (PEFT's ``PeftModel`` and ``LoraModel``)
     does not carry the wrapped model's plan under its own names.
@@ -52,6 +61,8 @@ def find_model_plan(root: nn.Module) -> dict[str, str]:
             own = getattr(config, "base_model_tp_plan", None) if config is not None else None
             if own and not _looks_like_base_model(module):
                 own = None
+            if not own and config is not None:
+                own = FAMILY_PLANS.get(type(module).__name__)
         if isinstance(own, Mapping):
             for key, style in own.items():
                 plan.setdefault(prefix + key, style)

@@ -4,43 +4,10 @@ A plan maps module-name globs to style strings. Cuboid's own names and Hugging F
 5.x, read from ``transformers.distributed.tensor_parallel``, where each name is registered with
 its layouts) are accepted; each maps onto torch's DTensor styles with transformers' semantics:
 
-=============================  ==========================================================================
-style (aliases)                what it does
-=============================  ==========================================================================
-colwise (unit_colwise)         Linear: shard output features; input replicated, output stays sharded
-rowwise (unit_rowwise)         Linear: shard input features; input sharded, output all-reduced
-rowwise_split_input            Linear: shard input features of a *replicated* input (it is split
-(rowwise_rep)                  locally), output all-reduced
-output (colwise_rep,           Linear: shard output features, all-gather the output (replicated)
-colwise_gather_output)
-embedding (embedding_rowwise)  Embedding: shard the vocabulary; lookups summed (output replicated)
-embedding_colwise              Embedding: shard the hidden dim; slices all-gathered (output replicated)
-sequence_parallel              norms/dropout on sequence-sharded activations (weights replicated)
-(sequence_parallel_output)
-embedding_sequence             Embedding: shard the vocabulary; lookups reduce-scattered along the sequence
-                               (dim 1): the residual stream leaves it sequence-sharded
-rowwise_sequence               Linear: shard input features; output reduce-scattered along the sequence
-gather_sequence                a module whose first input is sequence-sharded (after a sequence-parallel
-                               norm): all-gather it along the sequence before the module runs
-replicated_sequence            a module left whole on every tp rank (an MoE feed-forward) between
-                               sequence-parallel norms: its input all-gathered along the sequence and handed
-                               over as a local tensor, its output split back along the sequence
-loss_parallel                  Linear: shard output features and keep the logits vocabulary-sharded for
-                               cross-entropy under torch's ``loss_parallel`` (the strategy enters it)
-replicated_with_grad_allreduce weights replicated, gradients summed over tp: a norm that sees only this
-                               rank's heads (Qwen3's ``q_norm``/``k_norm``)
-all_reduce                     the module's output is a partial sum: all-reduce it
-local_params                   run the module with its own tp-sharded parameters as local tensors
-replicate                      leave the module replicated (nothing to do)
-sequence_local                 a module whole on every tp rank run on a sequence-sharded local input (its
-                               output local too), gradients summed over tp: a LoRA layer's ``lora_B`` beside a
-                               ``rowwise_sequence`` base layer
-local_input                    hand the module its first input as a local tensor, a DTensor made whole
-                               (replicated) first: a LoRA layer's ``lora_A`` beside a colwise base layer
-mla_kv_a_proj                  multi-head latent attention's joint K/V down-projection (DeepSeek): weight
-                               replicated; the rotary slice of its output, which every rank's heads share,
-                               gets its gradient summed over tp (the model's ``qk_rope_head_dim`` features)
-=============================  ==========================================================================
+:data:`STYLES` says what each one does (and :data:`ALIASES`, which names map onto it). ``colwise`` and ``rowwise``
+also take a layer whose weight is stored transposed, ``(in, out)``: transformers' ``Conv1D`` (GPT-2 and its kin
+compute ``x @ weight + bias``), which torch's styles refuse; there they shard the other weight dimension, and the
+layer's own forward runs on DTensors, whose sharding rules give each rank its share.
 
 Mixture-of-experts and fused-expert styles (``moe_tp_experts``, ``moe_identity_expert``,
 ``packed_colwise``, ``packed_rowwise``, ``ep_*``) are refused with a message in a user's
@@ -54,9 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -68,8 +35,8 @@ from torch.distributed.tensor.parallel import (
 from cuboid.compat import swap_parameter
 
 STYLES: dict[str, str] = {
-    "colwise": "shard the output features (Linear weight dim 0); output stays sharded",
-    "rowwise": "shard the input features (Linear weight dim 1); input sharded, output all-reduced (replicated)",
+    "colwise": "shard the output features (Linear weight dim 0, Conv1D's dim 1); output stays sharded",
+    "rowwise": "shard the input features (Linear weight dim 1, Conv1D's dim 0); input sharded, output all-reduced",
     "rowwise_split_input": "shard the input features of a replicated input (split locally); output all-reduced",
     "output": "shard the output features and all-gather the result (replicated output)",
     "embedding": "shard the vocabulary of an nn.Embedding; output summed over tp (replicated)",
@@ -145,9 +112,9 @@ def to_parallel_style(style: str, rope_dim: int | None = None) -> ParallelStyle 
             raise PlanError("'mla_kv_a_proj' needs the model's qk_rope_head_dim (the rotary features it outputs).")
         return MlaKvAProj(rope_dim)
     if name == "colwise":
-        return ColwiseParallel()
+        return _Colwise()
     if name == "rowwise":
-        return RowwiseParallel()
+        return _Rowwise()
     if name == "rowwise_split_input":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "output":
@@ -186,6 +153,8 @@ def sharded_size(module: nn.Module, style: str) -> tuple[int, str] | None:
     weight = getattr(module, "weight", None)
     if weight is None or weight.dim() != 2:
         return None
+    if is_transposed_linear(module) and style in ("colwise", "rowwise"):  # (in, out): GPT-2's Conv1D
+        return (weight.shape[1], "output features") if style == "colwise" else (weight.shape[0], "input features")
     if style in ("colwise", "output", "loss_parallel"):
         if isinstance(module, nn.Embedding):
             return weight.shape[1], "embedding dim"
@@ -199,6 +168,68 @@ def sharded_size(module: nn.Module, style: str) -> tuple[int, str] | None:
     if style == "embedding_colwise":
         return weight.shape[1], "embedding dim"
     return None
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """A linear map whose weight is stored ``(in, out)``: transformers' ``Conv1D`` (``nx`` inputs, ``nf`` outputs)."""
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and tuple(weight.shape) == (nx, nf)
+    )
+
+
+def distribute_transposed(module: nn.Module, mesh: DeviceMesh, colwise: bool) -> nn.Module:
+    """Shard a transposed linear layer over ``mesh`` (1-D, tp): ``colwise``, its output features (weight dim 1 and
+    the bias), taking a replicated input and giving its share of the output; else its input features (weight dim
+    0; the bias whole), taking that share of the input and giving the whole output."""
+    placements = {"weight": Shard(1), "bias": Shard(0)} if colwise else {"weight": Shard(0), "bias": Replicate()}
+    taken: Placement = Replicate() if colwise else Shard(-1)
+    given: Placement = Shard(-1) if colwise else Replicate()
+
+    def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        if mod is not module:
+            return
+        for key, param in list(mod.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [placements.get(key, Replicate())])
+            mod.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def inputs(mod: nn.Module, args: tuple, device_mesh: DeviceMesh) -> tuple:
+        return tuple(_as_dtensor(a, device_mesh, taken) for a in args)
+
+    def outputs(mod: nn.Module, out: Any, device_mesh: DeviceMesh) -> Tensor:
+        return out.redistribute(device_mesh, [given]).to_local()
+
+    return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+def _as_dtensor(value: Any, mesh: DeviceMesh, placement: Placement) -> Any:
+    if isinstance(value, DTensor):
+        return value.redistribute(mesh, [placement])
+    if isinstance(value, Tensor):
+        return DTensor.from_local(value, mesh, [placement], run_check=False)
+    return value
+
+
+class _Colwise(ColwiseParallel):
+    """torch's ColwiseParallel, which also takes a layer whose weight is stored transposed (GPT-2's Conv1D)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_transposed_linear(module):
+            return distribute_transposed(module, device_mesh, colwise=True)
+        return super()._apply(module, device_mesh)
+
+
+class _Rowwise(RowwiseParallel):
+    """torch's RowwiseParallel, which also takes a layer whose weight is stored transposed (GPT-2's Conv1D)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_transposed_linear(module):
+            return distribute_transposed(module, device_mesh, colwise=False)
+        return super()._apply(module, device_mesh)
 
 
 class LocalParams(ParallelStyle):

@@ -9,7 +9,11 @@ model's own modules under their own names and runs the model's own code:
   token ids, a later one on the hidden states it receives (``inputs_embeds=``, which skips the embedding). So each
   stage recomputes the mask, positions and rotary embeddings exactly as the model does, from the
   ``attention_mask`` / ``position_ids`` that every stage gets with its microbatch;
-* a stage that is not the last has an identity in place of the final norm;
+* what the forward does between its embeddings and its first block (Granite's multiplier, GPT-2's learned
+  positions and dropout) runs once, on the first stage: a later stage's first block is handed the hidden states
+  received (:func:`stage_edges`), and the pieces with parameters it would run there stand in by shape only;
+* a stage that is not the last has an identity in place of the final norm and returns what its last block
+  returned: what the forward does after its blocks (GPT-2's reshape) runs on the last stage only;
 * the last stage then runs the outer model's own ``forward`` with its base model standing in as "the hidden
   states just computed": the head, logit scaling or soft-capping are the model's own. It outputs the logits.
 
@@ -25,10 +29,8 @@ outputs the loss beside the logits. The backward reaches every stage's routers t
 each microbatch's own: its gradient is needed before the later microbatches have run forward.
 
 Which models qualify (checked when the stages are built, each failure named): the blocks sit in a
-``ModuleList`` of the base model, whose ``forward`` takes ``inputs_embeds``; the base model hands ``inputs_embeds``
-to the first block untouched (a model that scales its embeddings inside ``forward``, as Granite does, would scale
-them again on every later stage, and is refused); the outer model calls the base model and reads
-``last_hidden_state``.
+``ModuleList`` of the base model, whose ``forward`` takes ``inputs_embeds`` and runs its first block once on
+hidden states of their shape; the outer model calls the base model and reads ``last_hidden_state``.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ from cuboid.experts import (
 from cuboid.pipeline.decoder_probe import (
     DecoderSplitError,
     KeyedModuleList,
-    check_embeddings_pass_through,
+    check_stage_forward,
     stage_config,
+    stand_in,
 )
 
 
@@ -73,7 +76,6 @@ class DecoderShape:
     post: list[str] = field(default_factory=list)  # after them, on the last stage ("model.norm", "lm_head")
     router_loss: bool = False  # the loss adds a load-balancing loss: its statistic travels with the hidden states
     text: str = ""  # the model holding the blocks ("model.language_model"); the base model when it is ""
-    embed_scale: str = ""  # the attribute by which the forward scales inputs_embeds (Granite's), 1 on later stages
     first_only: list[str] = field(default_factory=list)  # the call's arguments only the first stage takes (images)
 
 
@@ -158,11 +160,9 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
                 "ways in every layer, through a mask it builds from them, which its language model alone (a later "
                 "stage) cannot rebuild. Not supported under pipeline_parallel yet; data and tensor parallel take it."
             )
-    scale = check_embeddings_pass_through(base, attr, type(base).__name__)
+    check_stage_forward(base, attr, type(base).__name__, [n for n in base_order[:at] if _has_params(base._modules[n])])
     text = text_path if composite else ""
-    return DecoderShape(
-        base_path, container, pre, post, router_loss, text=text, first_only=first_only, embed_scale=scale or ""
-    )
+    return DecoderShape(base_path, container, pre, post, router_loss, text=text, first_only=first_only)
 
 
 @dataclass
@@ -173,6 +173,7 @@ class _StageInfo:
     router_loss: bool = False
     text: str = ""  # a composite model's language model (later stages run it alone)
     first_only: tuple[str, ...] = ()
+    blocks: str = ""  # the attribute of the base (or language) model holding the blocks
 
 
 class _FixedOutput(nn.Module):
@@ -229,12 +230,14 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
         base = self.get_submodule(info.text)
         kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
-    out = (
-        type(base).forward(base, **inputs, use_cache=False, **kwargs)
-        if base is self
-        else base(**inputs, use_cache=False, **kwargs)
-    )
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    blocks = getattr(base, info.blocks)
+    with stage_edges(blocks, None if info.first else x, capture=not info.last) as edges:
+        out = (
+            type(base).forward(base, **inputs, use_cache=False, **kwargs)
+            if base is self
+            else base(**inputs, use_cache=False, **kwargs)
+        )
+    hidden = edges[0] if edges else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
     parts = _balance_parts(self, received, out, kwargs) if info.router_loss else None
     if not info.last or not info.base:
         return hidden if parts is None else (hidden, parts)
@@ -251,6 +254,36 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     whole = lb.whole(parts) if lb is not None else parts
     # (the loss with a dimension: the schedule concatenates each output over the microbatches)
     return result.logits, balancing_loss(whole, experts).reshape(1)
+
+
+@contextmanager
+def stage_edges(blocks: nn.ModuleList, received: torch.Tensor | None, capture: bool) -> Iterator[list[torch.Tensor]]:
+    """Around a stage's run of its base model's forward: hand the first block ``received`` (the hidden states the
+    stage before sent; whatever the forward did to them before its blocks ran on the first stage already), and with
+    ``capture``, keep what the last block returned (yielded list): what the forward does after its blocks (a final
+    norm, a reshape) runs on the last stage only. Nothing is changed when ``received`` is None and not ``capture``."""
+    handles = []
+    edges: list[torch.Tensor] = []
+    if received is not None:
+
+        def hand(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (received, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": received}
+
+        # (first among its hooks: FSDP's own pre-forward, which casts its inputs, sees the received states)
+        handles.append(blocks[0].register_forward_pre_hook(hand, with_kwargs=True, prepend=True))
+    if capture:
+
+        def keep(module: nn.Module, args: tuple, output: Any) -> None:
+            edges.append(output[0] if isinstance(output, tuple | list) else output)
+
+        handles.append(blocks[-1].register_forward_hook(keep))
+    try:
+        yield edges
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _balance_parts(stage: nn.Module, received: tuple[torch.Tensor, ...], out: Any, kwargs: dict) -> torch.Tensor:
@@ -289,17 +322,20 @@ def build_stage(
     base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
     if getattr(base, "config", None) is not None:
         base.config = stage_config(base.config, [list(all_keys).index(k) for k in keys])
-    if not first:
+    if not first:  # the language model's own pieces stand in by shape (its forward may run them: GPT-2's positions)
+        text_prefix = f"{shape.text or shape.base}." if shape.text or shape.base else ""
         for path in shape.pre:
-            _set_path(stage, path, None)
-        if shape.embed_scale:  # the first stage scaled inputs_embeds; the hidden states received are scaled
-            setattr(base, shape.embed_scale, 1.0)
+            if path.startswith(text_prefix) and "." not in path[len(text_prefix) :]:
+                parent, _, name = path.rpartition(".")
+                stand_in(stage.get_submodule(parent) if parent else stage, name, owner.get_submodule(path))
+            else:
+                _set_path(stage, path, None)
     if not last:
         for path in shape.post:
             in_base = shape.base and path.startswith(f"{shape.base}.")
             _set_path(stage, path, nn.Identity() if in_base or not shape.base else None)
     stage.__dict__["_cuboid_stage"] = _StageInfo(
-        shape.base, first, last, shape.router_loss, shape.text, tuple(shape.first_only)
+        shape.base, first, last, shape.router_loss, shape.text, tuple(shape.first_only), blocks=attr
     )
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage

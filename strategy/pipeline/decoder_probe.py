@@ -1,6 +1,6 @@
 """The pieces of a decoder's cut that need no stage: the error, the keyed block list, a stage's config, and what the
-base model's forward does around its blocks, found by running it once on a tiny input with its blocks replaced
-(:func:`check_embeddings_pass_through`): a stage that starts or ends mid-stack must not do it again, or miss it."""
+base model's forward must do for a later stage to run it (:func:`check_stage_forward`, which runs it once on a tiny
+input with its blocks replaced), and the stand-in for what that forward runs before its blocks (:class:`ShapeOnly`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from cuboid.compat import shallow_module_copy
@@ -66,74 +67,81 @@ class _PassThrough(nn.Module):
         return x
 
 
-def check_embeddings_pass_through(base: nn.Module, attr: str, name: str) -> str | None:
-    """Run the base model's own forward once on a tiny input, with one recording block and every other child a
-    pass-through: the block must receive ``inputs_embeds`` itself, and the output must be what the block returned.
-    (A forward that scales the embeddings, or transforms the last hidden state outside its modules, would do it
-    again, or not at all, on a stage that starts or ends mid-stack.) Runs on CPU; the model may be on meta.
-
-    A forward that only multiplies ``inputs_embeds`` by a number it keeps as an attribute (Granite's
-    ``embedding_multiplier``) passes: that attribute's name is returned, and a later stage sets it to 1 (the first
-    stage scales once, as the whole model does)."""
-    seen = _probe_first_block(base, attr, name)
-    if seen is None:
-        return None
-    embeds, got = seen
-    ratio = (got / embeds).flatten()
-    scales = [
-        key
-        for key, value in vars(base).items()
-        if isinstance(value, float) and not key.startswith("_") and torch.allclose(ratio, torch.tensor(value))
-    ]
-    if len(scales) == 1:
-        probe = shallow_module_copy(base)
-        setattr(probe, scales[0], 1.0)
-        again = _probe_first_block(probe, attr, name)
-        if again is None or torch.equal(*again):  # with it at 1, the block gets inputs_embeds' values
-            return scales[0]
-    raise DecoderSplitError(
-        f"{name}.forward does not hand inputs_embeds to its first block unchanged (it transforms the embeddings "
-        "itself, beyond a multiplier kept as an attribute): a later pipeline stage would apply that again to the "
-        "hidden states it receives. This family is not supported under pipeline_parallel yet."
-    )
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """``module`` with every parameter and buffer an empty tensor on the meta device (its own tensors untouched)."""
+    clone = copy.copy(module)
+    clone._parameters = {
+        n: None if p is None else nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+        for n, p in module._parameters.items()
+    }
+    clone._buffers = {n: None if b is None else torch.empty_like(b, device="meta") for n, b in module._buffers.items()}
+    clone._modules = {n: None if c is None else _meta_copy(c) for n, c in module._modules.items()}
+    clone._forward_hooks, clone._forward_pre_hooks = type(clone._forward_hooks)(), type(clone._forward_pre_hooks)()
+    return clone
 
 
-def _probe_first_block(base: nn.Module, attr: str, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(inputs_embeds, what the first block got) when the block got something else; None when it got them."""
+class ShapeOnly:
+    """Stands in, on a later pipeline stage, for a piece its base model's forward runs before the blocks (GPT-2's
+    learned positions ``wpe``): it holds no parameters and returns zeros of the shape and dtype the piece would.
+    What the forward then makes of them never reaches a block: the stage hands its first block the hidden states it
+    received (:func:`cuboid.pipeline.decoder.stage_edges`). Not a module: it is set as a plain attribute in place of
+    the piece (:func:`stand_in`), so no walk over modules (plans, FSDP, state dicts) meets it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._meta = _meta_copy(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+
+        def meta(value: Any) -> Any:
+            return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+        out = self.__dict__["_meta"](*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+        return apply_to_collection(out, torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
+
+
+def stand_in(parent: nn.Module, name: str, module: nn.Module) -> None:
+    """Put a :class:`ShapeOnly` for ``parent``'s child ``name`` (``module``) in its place, as a plain attribute."""
+    parent._modules.pop(name, None)
+    parent.__dict__[name] = ShapeOnly(module)
+
+
+def check_stage_forward(base: nn.Module, attr: str, name: str, pre: Sequence[str] = ()) -> None:
+    """Run the base model's own forward once on a tiny input, as a later stage runs it: one recording block, the
+    pieces ``pre`` (its children run before the blocks) standing in as :class:`ShapeOnly`, every other child a
+    pass-through. The forward must run its first block once, on hidden states of ``inputs_embeds``' shape, by
+    position or as ``hidden_states=``: whatever it does to them before (Granite's multiplier, GPT-2's positions)
+    runs on the first stage only, since a later stage hands its first block the hidden states it received. Runs on
+    CPU; the model may be on meta."""
     probe = shallow_module_copy(base)
     recorder = _Recorder()
     for child in list(probe._modules):
-        probe._modules[child] = _PassThrough()
+        module = probe._modules[child]
+        if child in pre and module is not None:
+            stand_in(probe, child, module)
+        else:
+            probe._modules[child] = _PassThrough()
     probe._modules[attr] = KeyedModuleList([("0", recorder)])
     config = getattr(base, "config", None)
     if config is not None:
         probe.config = stage_config(config, [0])
     width = getattr(config, "hidden_size", 8)
-    embeds = torch.rand(1, 4, width, generator=torch.Generator().manual_seed(0)) + 0.5  # no zeros: a scale shows
+    embeds = torch.rand(1, 4, width, generator=torch.Generator().manual_seed(0)) + 0.5
     try:
-        out = probe(inputs_embeds=embeds, use_cache=False)
+        probe(inputs_embeds=embeds, use_cache=False)
     except Exception as err:  # the model's forward needs something a stage does not have
         raise DecoderSplitError(
             f"{name}.forward failed when run from inputs_embeds with its blocks replaced ({type(err).__name__}: "
             f"{err}); Cuboid cannot run it as pipeline stages."
         ) from err
-    hidden = getattr(out, "last_hidden_state", None)
-    if hidden is None and isinstance(out, tuple | list):
-        hidden = out[0]
     if len(recorder.seen) != 1:
         raise DecoderSplitError(
             f"{name}.forward does not run its first block once on inputs_embeds: Cuboid cannot run it as stages."
         )
-    if recorder.seen[0] is not embeds:
-        if recorder.seen[0].shape != embeds.shape:
-            raise DecoderSplitError(
-                f"{name}.forward does not hand inputs_embeds to its first block unchanged (it transforms the "
-                "embeddings itself): a later pipeline stage would apply that again. This family is not supported "
-                "under pipeline_parallel yet."
-            )
-        return embeds, recorder.seen[0]
-    if hidden is not recorder.seen[0]:
+    if recorder.seen[0].shape != embeds.shape:
         raise DecoderSplitError(
-            f"{name}.forward changes the hidden states after its blocks outside its own modules: a stage that ends "
-            "mid-stack would apply that too early. This family is not supported under pipeline_parallel yet."
+            f"{name}.forward hands its first block hidden states of shape {tuple(recorder.seen[0].shape)} from "
+            f"inputs_embeds of shape {tuple(embeds.shape)}: a later pipeline stage, which receives the hidden states "
+            "between two blocks, cannot stand for that. Cuboid cannot run it as pipeline stages."
         )

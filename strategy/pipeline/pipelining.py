@@ -215,16 +215,14 @@ class Pipelining:
         self._stashed_grads = []
 
     def eval_step(self, lm: Any, hook: str, batch: Any, batch_idx: int, precision: Any, device: torch.device) -> Any:
-        """A forward-only schedule of ``lm.<hook>`` (validation_step, test_step)."""
+        """A forward-only schedule of ``lm.<hook>`` (validation_step, test_step: their mean loss; predict_step: what
+        it returns on the last stage, its microbatches' outputs joined into the batch's, on every rank of the pp
+        group, each of which holds the batch, as under pp1)."""
         assert self.runner is not None
-        with torch.no_grad(), precision.val_step_context():
-            return self.runner.run(lm, hook, batch, batch_idx, False)
-
-    def refuse_predict(self) -> None:
-        raise NotImplementedError(
-            "trainer.predict is not supported with pipeline_parallel > 1: predictions live on the last stage. "
-            "Run predict with pipeline_parallel=1 (a checkpoint loads into any layout)."
-        )
+        predict = hook == "predict_step"
+        context = precision.predict_step_context() if predict else precision.val_step_context()
+        with torch.no_grad(), context:
+            return self.runner.run(lm, hook, batch, batch_idx, False, outputs=predict)
 
     def check_loader(self, loader: Any) -> None:
         """Refuse, before the first step, batches (the epoch's last included) the microbatches cannot split."""

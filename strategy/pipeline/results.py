@@ -19,11 +19,12 @@ broadcast. Logged values are the mean over microbatches, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from cuboid.compat import set_metric_update_count
@@ -64,10 +65,39 @@ class LogRecorder:
 
 @dataclass
 class StepResults:
-    """What the last stage's step produced: per microbatch, its loss (a detached tensor, or None) and log calls."""
+    """What the last stage's step produced: per microbatch, its loss (a detached tensor, or None) and log calls;
+    for ``predict_step``, what it returned."""
 
     losses: dict[int, Tensor | None] = field(default_factory=dict)
     calls: dict[int, list[tuple[str, str, Any, dict]]] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+
+    def joined_outputs(self) -> Any:
+        """The microbatches' outputs as the whole batch's (:func:`join`)."""
+        return join([self.outputs[i] for i in sorted(self.outputs)]) if self.outputs else None
+
+
+def join(parts: list[Any]) -> Any:
+    """Microbatches' outputs as one batch's: tensors joined along their first dimension (0-d ones stacked), dicts,
+    lists and tuples of the same keys or length joined place by place, anything else listed per microbatch."""
+    first = parts[0]
+    if all(isinstance(p, Tensor) for p in parts):
+        return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if isinstance(first, dict) and all(isinstance(p, dict) and p.keys() == first.keys() for p in parts):
+        joined = {k: join([p[k] for p in parts]) for k in first}
+        return type(first)(**joined) if is_dataclass(first) else type(first)(joined)  # (transformers' outputs)
+    if isinstance(first, list | tuple) and all(type(p) is type(first) and len(p) == len(first) for p in parts):
+        joined = [join(list(column)) for column in zip(*parts, strict=True)]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    return list(parts)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a shared output: its shape and dtype (the values follow in a broadcast)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _structure(calls: list[tuple[str, str, Any, dict]]) -> list[tuple[str, str, Any, dict]]:
@@ -152,6 +182,27 @@ class ResultExchange:
         self._sync_metrics(metrics, dirty, counts)
         self._replay(lm, flat[has_loss:], host.tolist())
         return flat[0] if has_loss else None
+
+    def share(self, outputs: Any) -> Any:
+        """``outputs`` (the last stage's, None elsewhere) on every rank of the pp group: their structure, shapes,
+        dtypes and non-tensor values in one object broadcast over the host group, each tensor in a broadcast of its
+        own over the pp group (on the device). For ``predict_step``, whose outputs vary in shape from batch to batch
+        (the last batch), not for the training step."""
+        box: list[Any] = [None]
+        if self.is_src:
+            box = [apply_to_collection(outputs, Tensor, lambda t: _Slot(tuple(t.shape), t.dtype))]
+        dist.broadcast_object_list(box, src=self.src, group=self.host_group)
+        if self.is_src:
+            shared = apply_to_collection(outputs, Tensor, lambda t: t.to(self.device))
+        else:
+            shared = apply_to_collection(
+                box[0], _Slot, lambda s: torch.empty(s.shape, dtype=s.dtype, device=self.device)
+            )
+        tensors: list[Tensor] = []
+        apply_to_collection(shared, Tensor, tensors.append)
+        for tensor in tensors:
+            dist.broadcast(tensor, src=self.src, group=self.group)
+        return shared
 
     def _replay(self, lm: Any, device_values: Tensor, host_values: list[float]) -> None:
         devices, hosts = iter(device_values), iter(host_values)

@@ -19,11 +19,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from cuboid.compat import is_view_of
 from cuboid.pipeline import decoder, decoder_call
 from cuboid.pipeline.results import LogRecorder, ResultExchange, StepResults
 from cuboid.pipeline.stages import MULTI_STAGE, SCHEDULES, PipelineError, split_batch
+from cuboid.step import plain
 
 
 class _Captured(Exception):  # noqa: N818  (control flow, not an error)
@@ -123,10 +125,19 @@ class PipelineRunner:
         return self._step_loss(output, target)
 
     def run(
-        self, lm: Any, hook: str, batch: Any, batch_idx: int, train: bool, loss_scale: float = 1.0
-    ) -> torch.Tensor | None:
+        self,
+        lm: Any,
+        hook: str,
+        batch: Any,
+        batch_idx: int,
+        train: bool,
+        loss_scale: float = 1.0,
+        outputs: bool = False,
+    ) -> Any:
         """One pipelined step of ``lm.<hook>``; returns the microbatch-mean loss as a device tensor, the same on every
-        rank of the pp group (None if the hook returns none). Reads nothing from the device."""
+        rank of the pp group (None if the hook returns none). Reads nothing from the device. With ``outputs``
+        (``predict_step``), returns instead what the hook returned for the whole batch, its microbatches' outputs
+        joined, on every rank of the pp group (:meth:`ResultExchange.share`)."""
         mbs = split_batch(batch, self.microbatches)
         user_step = getattr(lm, hook)
         results = StepResults()  # per microbatch index: its loss and log calls
@@ -199,6 +210,9 @@ class PipelineRunner:
                 total = output[1].reshape(())
                 object.__setattr__(standin, "aux_loss", lambda: total)
             out = call_user(mbs[index], standin, recorder)
+            if outputs:  # predictions, not a loss
+                results.outputs[index] = apply_to_collection(out, DTensor, plain)  # (loss parallel's logits)
+                return _zero_loss(output)
             loss = out["loss"] if isinstance(out, dict) else out
             results.calls[index] = recorder.calls
             if loss is None:
@@ -217,7 +231,8 @@ class PipelineRunner:
             run(*inputs, target=targets, **stage_kwargs)
         finally:
             self._step_loss = None
-        return self.results.exchange(lm, results if self.has_last else None, counts_before)
+        loss = self.results.exchange(lm, results if self.has_last else None, counts_before)
+        return self.results.share(results.joined_outputs() if self.has_last else None) if outputs else loss
 
     def _capture(self, call_user: Callable, batch: Any, hook: str, real: nn.Module, lm: Any) -> tuple[tuple, dict]:
         """How ``hook`` calls the model on the whole batch: its positional and keyword arguments."""

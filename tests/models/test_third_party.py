@@ -64,6 +64,10 @@ RUNS: dict[str, Run] = {
     # Granite: its base model's forward scales the embeddings (embedding_multiplier): once, on the first stage
     "hf_granite-pp2": Run(2, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2}}),
     "hf_granite-pp2xtp2": Run(4, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2, **TP2}}),
+    # GPT-2: learned positions added in its base model's forward, a reshape after its blocks, Conv1D layers (its
+    # MLP split over tp by Cuboid's plan for it), its head tied to its embedding across the first and last stage
+    "hf_gpt2-pp2": Run(2, {"model": "hf_gpt2", "strategy": {"pipeline_parallel": 2}}),
+    "hf_gpt2-pp2xtp2": Run(4, {"model": "hf_gpt2", "strategy": {"pipeline_parallel": 2, **TP2}}),
     # Gemma 3's multimodal model: a SigLIP tower pooled to 4 image tokens, which attend to each other both ways
     # (token_type_ids), a Gemma 3 language model with sliding and global layers
     "hf_gemma3_vl-dp2": Run(2, {"model": "hf_gemma3_vl", "strategy": {}}),
@@ -169,13 +173,19 @@ def test_third_party_model_matches_single_process(name: str, results, references
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama-tp2", "hf_qwen3-dp2xtp2", "hf_vit-dp2xtp2"])
+@pytest.mark.parametrize("name", ["hf_llama-tp2", "hf_qwen3-dp2xtp2", "hf_vit-dp2xtp2", "hf_gpt2-pp2xtp2"])
 def test_third_party_layout_is_real(name: str, results) -> None:
-    """The model's own plan (or the plan given as data) really shards over tp; ViT's blocks were found."""
+    """The model's own plan (or the plan given as data, or Cuboid's for GPT-2) really shards over tp; ViT's blocks
+    were found."""
     for facts in results[name]["ranks"]:
         placements = facts["placements"]
         tp_dims = {p: dims for p, (dims, *_) in placements.items() if "tp" in dims}
-        if name.startswith("hf_vit"):
+        if name.startswith("hf_gpt2"):  # its MLP's Conv1D layers (weights stored (in, out)); attention whole
+            assert {p.rsplit(".", 2)[-2] for p in tp_dims} == {"c_fc", "c_proj"}
+            assert all(".mlp." in p for p in tp_dims)
+            assert {placements[p][1][-1] for p in tp_dims if p.endswith("c_fc.weight")} == {"S(1)"}
+            assert {placements[p][1][-1] for p in tp_dims if p.endswith("c_proj.weight")} == {"S(0)"}
+        elif name.startswith("hf_vit"):
             assert {p.rsplit(".", 2)[-2] for p in tp_dims} == {"q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"}
         else:
             assert placements["model.lm_head.weight"][1][-1] == "S(0)"  # colwise_gather_output

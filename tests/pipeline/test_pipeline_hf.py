@@ -46,7 +46,7 @@ class Run:
 
 
 RUNS: dict[str, Run] = {
-    "hf_llama-pp2": Run(2, {"model": "hf_llama", "strategy": PP2, "validate": True}),
+    "hf_llama-pp2": Run(2, {"model": "hf_llama", "strategy": PP2, "validate": True, "predict": True}),
     "hf_qwen3-pp2": Run(2, {"model": "hf_qwen3", "strategy": PP2}),
     "hf_mistral-pp2-padded": Run(2, {"model": "hf_mistral", "strategy": PP2, "padded": True}),
     "hf_llama_tied-pp2": Run(2, {"model": "hf_llama_tied", "strategy": PP2}),
@@ -58,7 +58,7 @@ RUNS: dict[str, Run] = {
         2, {"model": "hf_llama", "strategy": {**PP2, "pipeline_schedule": "GPipe", "pipeline_split": [1, 3]}}
     ),
     "hf_llama-pp2xdp2-padded": Run(4, {"model": "hf_llama", "strategy": PP2, "padded": True}),
-    "hf_qwen3-pp2xtp2": Run(4, {"model": "hf_qwen3", "strategy": {**PP2, **TP2}}),
+    "hf_qwen3-pp2xtp2": Run(4, {"model": "hf_qwen3", "strategy": {**PP2, **TP2}, "predict": True}),
     "hf_llama-pp2xdp2xtp2-padded": Run(8, {"model": "hf_llama", "strategy": {**PP2, **TP2}, "padded": True}),
 }
 
@@ -172,6 +172,25 @@ def test_validation_under_pipeline_gives_the_single_process_value(results, refer
     expected = sum(losses) / len(losses)
     for facts in results["hf_llama-pp2"]["ranks"]:
         assert abs(facts["val_loss"] - expected) / expected <= LOSS_RTOL, (facts["val_loss"], expected)
+
+
+@pytest.mark.parametrize("name", ["hf_llama-pp2", "hf_qwen3-pp2xtp2"])
+def test_predict_under_pipeline_gives_every_rank_the_models_predictions(name: str, results) -> None:
+    """trainer.predict after fit: every rank (both stages, both tp ranks) returns, batch after batch, the logits one
+    process computes with the run's final weights (the last stage's, its microbatches joined)."""
+    got = results[name]
+    model = third_party.build_model(RUNS[name].spec["model"])
+    model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
+    data = third_party.dataset(RUNS[name].spec["model"])
+    with torch.no_grad():
+        want = torch.cat(
+            [third_party.hf_logits(model, {"tokens": torch.stack([data[i]["tokens"] for i in range(k, k + 8)])})
+             for k in range(0, len(data), 8)]
+        )  # fmt: skip
+    for facts in got["ranks"]:
+        assert facts["predictions"].shape == want.shape, (facts["rank"], facts["predictions"].shape)
+        err = (facts["predictions"] - want).abs().max()
+        assert err <= 1e-5, (facts["rank"], float(err))
 
 
 @pytest.mark.slow
@@ -322,28 +341,37 @@ def test_two_stages_compute_what_the_model_computes(family: str) -> None:
     assert abs(float(sum(losses) / 2) - float(want.loss)) <= 1e-6 * float(want.loss)
 
 
-def test_a_model_that_scales_its_embeddings_in_forward_scales_them_on_the_first_stage_only() -> None:
-    """Granite multiplies inputs_embeds by embedding_multiplier inside its base model's forward: found by the probe,
-    and a later stage's copy has it at 1 (it receives scaled hidden states); the model itself keeps its value.
+@pytest.mark.parametrize("family", ["hf_granite", "hf_gpt2"])
+def test_what_the_forward_does_around_its_blocks_runs_once(family: str) -> None:
+    """Granite multiplies inputs_embeds by embedding_multiplier, GPT-2 adds learned positions (``wpe``) and reshapes
+    after its blocks, all inside the base model's forward: three stages run one after the other give the model's
+    own logits on a padded batch (the middle stage's first block gets the hidden states it received, its ``wpe``
+    (and embedding) stand in by shape only, holding no parameters; the model itself keeps its pieces and values).
     (Parity at pp2 and pp2 x tp2: tests/models/test_third_party.py.)"""
-    import transformers
-
     from cuboid.parallel.plans import find_blocks
-    from cuboid.pipeline import decoder
-    from cuboid.pipeline.stages import find_pipeline_split
+    from cuboid.pipeline.decoder_probe import ShapeOnly
+    from cuboid.pipeline.stages import build_stages, find_pipeline_split, stage_blocks
 
-    config = transformers.GraniteConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, embedding_multiplier=12.0,
-    )  # fmt: skip
-    lm = _lm(transformers.AutoModelForCausalLM.from_config(config))
+    torch.manual_seed(0)
+    model = third_party.build_model(family).eval()
+    data = third_party.dataset(family, padded=True)
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("tokens", "attention_mask")}
+    lm = _lm(model)
     split = find_pipeline_split(lm, find_blocks(lm))
-    assert split.shape is not None and split.shape.embed_scale == "embedding_multiplier"
-    keys = split.block_keys
-    first = decoder.build_stage(lm.model, split.shape, keys[:1], keys, True, False)
-    later = decoder.build_stage(lm.model, split.shape, keys[1:], keys, False, True)
-    assert first.model.embedding_multiplier == 12.0 and later.model.embedding_multiplier == 1.0
-    assert lm.model.model.embedding_multiplier == 12.0
+    with torch.no_grad():
+        want = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"]).logits
+        x = batch["tokens"]
+        for stage_id in range(3):
+            _, (stage,) = build_stages(copy.deepcopy(model), split, [stage_id], stage_blocks(4, 3, [1, 2, 1]))
+            if stage_id == 1:
+                base = stage.transformer if family == "hf_gpt2" else stage.model
+                pieces = ["wte", "wpe"] if family == "hf_gpt2" else ["embed_tokens"]
+                assert all(isinstance(getattr(base, n), ShapeOnly) for n in pieces)
+                assert not any(".wpe." in n or "embed" in n or ".wte." in n for n, _ in stage.named_modules())
+            x = stage(x, attention_mask=batch["attention_mask"])
+    assert torch.allclose(x, want, rtol=0, atol=1e-6), (x - want).abs().max()
+    if family == "hf_granite":
+        assert model.model.embedding_multiplier == 12.0
 
 
 def test_a_step_whose_keyword_tensors_cannot_be_split_is_refused() -> None:

@@ -379,6 +379,12 @@ def run(spec: dict, out_dir: Path) -> None:
         except SystemExit as exit_:  # Lightning's SIGTERMException: every rank stopped at the same step
             stopped_by = type(exit_).__name__
     compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    # (read before trainer.predict, which starts its own metrics)
+    val_loss = float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None
+    predictions = None
+    if spec.get("predict"):  # trainer.predict after fit: this rank's share of the data, in order
+        batches = trainer.predict(module, DataLoader(dataset, batch_size=spec.get("batch_size", GLOBAL_BATCH // dp)))
+        predictions = torch.cat([p.detach().float().cpu() for p in batches])
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
         strategy.wait_for_checkpoint()
@@ -439,7 +445,8 @@ def run(spec: dict, out_dir: Path) -> None:
         "stray_warnings": [str(w.message) for w in caught if "outside every FSDP unit" in str(w.message)],
         "damaged_warnings": [str(w.message) for w in caught if "is damaged" in str(w.message)],
         "resumed_from": resume,
-        "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
+        "val_loss": val_loss,
+        "predictions": predictions,
         # (rank 0 removes the run lock in its teardown: another rank may list the directory before that)
         "kept": sorted(p.name for p in to_path(spec["save_dir"]).iterdir() if p.name != ".cuboid-run.lock")
         if spec.get("save_dir")
