@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from cuboid import compat
 from cuboid.base import MeshStrategy
-from cuboid.checkpoint import Checkpointer, CheckpointHooks
+from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
 from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
 from cuboid.measure import Estimate, check_fits, device_bytes, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
@@ -191,8 +191,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
-        self.checkpointer = Checkpointer(checkpoint_format or "sharded", async_checkpoint, barrier=self.barrier)
-        self.checkpointer.data_position = data_position
+        position = DataPosition(data_position)  # where a mid-epoch resume starts, checked here
+        self.checkpointer = Checkpointer(checkpoint_format or "sharded", async_checkpoint, self.barrier, position)
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
         self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
         config = FaultTolerance.of(fault_tolerance)

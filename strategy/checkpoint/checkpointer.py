@@ -118,16 +118,6 @@ class Checkpointer:
         return self._stager
 
     @property
-    def data_position(self) -> str:
-        """Where a mid-epoch resume starts: ``"exact"`` (at the checkpoint's data position) or ``"epoch"`` (the
-        interrupted epoch read again from its start, on any layout); the :attr:`position`'s ``mode``."""
-        return self.position.mode
-
-    @data_position.setter
-    def data_position(self, value: str) -> None:
-        self.position.mode = value
-
-    @property
     def format(self) -> str:
         return self._format
 
