@@ -224,8 +224,10 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             after_group=lambda: self.job_guard.after_process_group(self.global_rank, self.world_size),
         )
         self.job_guard.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
-        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED)
-        self._precision_plugin.nonfinite, self._precision_plugin.deferred = self.nonfinite, self.deferred
+        commit = self.replicas.commit if self.replicas is not None else None  # may a replica group's step commit?
+        tied = lambda: self.pipelining.counted_elsewhere  # noqa: E731  (the tied weights' ids, known once built)
+        hooks = {"nonfinite": self.nonfinite, "deferred": self.deferred, "commit": commit, "counted_elsewhere": tied}
+        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED, **hooks)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         pending = ", the data-parallel ranks sharded or replicated by the model's size" * self._replicate_if_it_fits
@@ -307,7 +309,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if pipelined:
             self.pipelining.build_schedule(stages, mesh, self.root_device)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
-        self.precision_plugin.counted_elsewhere = self.pipelining.counted_elsewhere
         self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
 
     @override

@@ -153,9 +153,8 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         layout = self.start_mesh()
-        precision = FabricPrecision(self.precision.precision, self.device_mesh, FLATTENED)
-        precision.step_context, precision.whole_output = self._step, self.context.gather_output
-        self._precision = precision
+        hooks = {"step_context": self._step, "whole_output": self.context.gather_output}
+        self._precision = FabricPrecision(self.precision.precision, self.device_mesh, FLATTENED, **hooks)
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes (Fabric)")
 
     # ------------------------------------------------------------------ the model and its optimizers

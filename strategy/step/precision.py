@@ -9,7 +9,7 @@ across all shards, see :mod:`cuboid.step.grad_norm`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Collection, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -54,10 +54,6 @@ class PrecisionPolicy:
         self.device_mesh = device_mesh
         self.flattened_dims: Mapping[str, tuple[str, ...]] = dict(flattened_dims or {})
         self.last_grad_norm: torch.Tensor | None = None
-        self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another rank counts (tied over pp)
-        self.nonfinite = NonFiniteGuard(None)  # the strategy sets its own
-        self.commit: Callable[[], bool] | None = None  # fault-tolerant replica groups: may this step commit?
-        self.deferred: DeferredReductions | None = None  # the strategy's: checked after the step's last backward
 
     @property
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
@@ -96,6 +92,32 @@ class CuboidPrecision(PrecisionPolicy, Precision):
     as Lightning's own mixed precision runs it."""
 
     autocast_device: str | None = None
+
+    def __init__(
+        self,
+        precision: str = "32-true",
+        device_mesh: DeviceMesh | None = None,
+        flattened_dims: Mapping[str, tuple[str, ...]] | None = None,
+        *,
+        nonfinite: NonFiniteGuard | None = None,
+        commit: Callable[[], bool] | None = None,
+        deferred: DeferredReductions | None = None,
+        counted_elsewhere: Callable[[], Collection[int]] = frozenset,
+    ) -> None:
+        """The step's hooks, each the strategy's, handed in: ``nonfinite``, the check of ``nonfinite=`` (none
+        checks nothing); ``commit``, whether a fault-tolerant replica group's step may commit (None: no groups);
+        ``deferred``, the reductions checked after the step's last backward; ``counted_elsewhere``, asked at each
+        norm for the ids of the parameters whose norm another rank counts (tied over pp)."""
+        super().__init__(precision, device_mesh, flattened_dims)
+        self.nonfinite = nonfinite if nonfinite is not None else NonFiniteGuard(None)
+        self.commit = commit
+        self.deferred = deferred
+        self._counted_elsewhere = counted_elsewhere
+
+    @property
+    def counted_elsewhere(self) -> Collection[int]:
+        """Ids of the parameters whose gradient norm another rank counts (a weight tied across pp stages)."""
+        return self._counted_elsewhere()
 
     @override
     def forward_context(self) -> Any:
