@@ -384,11 +384,6 @@ CASES: dict[str, tuple[Callable[..., object], type[BaseException], str]] = {
         PipelineError,
         "use reshard_after_forward=False",
     ),  # fmt: skip
-    "a zero-bubble schedule with activation checkpointing": (
-        lambda: CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", activation_checkpointing="full"),
-        PipelineError,
-        "does not combine",
-    ),  # fmt: skip
     "blocks that do not split evenly into stages": (
         lambda: stage_blocks(6, 4, None),
         PipelineError,

@@ -69,6 +69,43 @@ def test_selective_checkpointing_keeps_every_fused_attention_kernel() -> None:
     assert fused == kept, f"not kept: {sorted(fused - kept)}; no longer in torch: {sorted(kept - fused)}"
 
 
+def test_selective_checkpointing_recomputes_twice_with_repeatable_recompute() -> None:
+    """A zero-bubble schedule's split backward (input gradients, then weights', as two autograd calls) recomputes a
+    selectively checkpointed block twice. torch's recompute mode refuses the second ("backward an extra time");
+    ``compat.RepeatableRecompute`` (which reads the mode's private ``storage``) gives both the outputs it saved, and
+    the two calls' gradients equal one backward's."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, w):
+        return torch.sin(x @ w).sum()
+
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    want = torch.autograd.grad(block(x, w), (x, w))
+
+    def split_backward(context_fn):
+        out = checkpoint(block, x, w, use_reentrant=False, context_fn=context_fn)
+        (dx,) = torch.autograd.grad(out, x, retain_graph=True)  # the input pass
+        (dw,) = torch.autograd.grad(out, w)  # the weight pass
+        return dx, dw
+
+    def torch_own():
+        return create_selective_checkpoint_contexts(policy)
+
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        split_backward(torch_own)
+
+    def repeatable():
+        forward, recompute = create_selective_checkpoint_contexts(policy)
+        assert isinstance(recompute.storage, dict)  # the private attribute RepeatableRecompute reads
+        return forward, compat.RepeatableRecompute(recompute)
+
+    got = split_backward(repeatable)
+    assert all(torch.allclose(g, e) for g, e in zip(got, want, strict=True))
+
+
 def test_automatic_optimization_runs_step_then_zero_grad_then_backward(tmp_path) -> None:
     """Pipelining runs forward and backward inside training_step, so Cuboid zeroes gradients before the schedule
     and keeps them across Lightning's zero_grad: that relies on exactly this order."""

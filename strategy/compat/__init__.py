@@ -268,6 +268,31 @@ def shallow_module_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+class RepeatableRecompute:
+    """torch's selective-checkpoint recompute mode (the second of ``create_selective_checkpoint_contexts``), for a
+    forward recomputed more than once: a zero-bubble pipeline schedule runs a stage's backward as two autograd
+    calls (its input gradients, then its weights'), and each recomputes the checkpointed block. torch's mode hands
+    out each saved op output once and refuses a second recompute ("backward an extra time"); this one puts the
+    outputs it handed out back in its cache (``storage``, private: pinned in tests/test_compat.py) when a recompute
+    ends. Nothing is copied; the cache is freed with the block's autograd graph, as before."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.kept: dict[Any, Any] = {}
+
+    def __enter__(self) -> Any:
+        # per op, its saved outputs (a list torch 2.11 pops, a dict by call index torch 2.13 marks consumed)
+        self.kept = {key: copy.copy(entries) for key, entries in self.mode.storage.items()}
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            self.mode.storage.update(self.kept)
+            self.kept = {}
+
+
 # Attention ops whose outputs selective activation checkpointing keeps (aten overloads, named as torch names them):
 # every fused kernel scaled_dot_product_attention can choose (torch's _fused_sdp_choice: flash, memory-efficient,
 # cuDNN, which torch prefers on Hopper with recent cuDNN, the CPU flash kernel, and the one other backends override),

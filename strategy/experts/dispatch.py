@@ -53,6 +53,8 @@ class RoutingReplay:
     cache of saved outputs keeps its order."""
 
     kept: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    taken: int = 0  # how many of them this recompute has taken back (each recompute replays them all: a zero-bubble
+    # schedule recomputes a block twice, for its input gradients and for its weights')
 
     @contextmanager
     def recording(self) -> Generator[None, None, None]:
@@ -64,6 +66,7 @@ class RoutingReplay:
 
     @contextmanager
     def replaying(self) -> Generator[None, None, None]:
+        self.taken = 0
         token = _REPLAY.set((self, True))
         try:
             yield
@@ -80,8 +83,9 @@ def _exchanged_counts(
     """Each expert's pair count here and each local expert's from every rank: ``(host list of 2 E, the received
     counts on the device)``; in a checkpoint's recompute, the forward's (:class:`RoutingReplay`)."""
     replay = _REPLAY.get()
-    if replay is not None and replay[1] and replay[0].kept:
-        return replay[0].kept.pop(0)
+    if replay is not None and replay[1] and replay[0].taken < len(replay[0].kept):
+        replay[0].taken += 1
+        return replay[0].kept[replay[0].taken - 1]
     counts = pairs_per_expert(counts_of, num_experts)
     recv_counts = torch.empty_like(counts)  # [source rank][my local expert]
     dist.all_to_all_single(recv_counts, counts, group=group)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from cuboid.compat import SDPA_OPS, reads_kv_cache_only, torch_function_modes
+from cuboid.compat import SDPA_OPS, RepeatableRecompute, reads_kv_cache_only, torch_function_modes
 from cuboid.dropin import STEP_METHODS
 from cuboid.experts import ExpertParallelError, RoutingReplay, distribute_experts, experts_modules
 from cuboid.parallel.styles import PlanError
@@ -179,6 +179,8 @@ def _with_forward_modes(context_fn: Callable[[], Any]) -> Callable[[], Any]:
 
     def contexts() -> tuple[Any, Any]:
         forward_ctx, recompute_ctx = context_fn()
+        if hasattr(recompute_ctx, "storage"):  # selective: its saved outputs serve every recompute (zero-bubble: 2)
+            recompute_ctx = RepeatableRecompute(recompute_ctx)
         modes = torch_function_modes()
         replay = RoutingReplay()
 
@@ -187,18 +189,31 @@ def _with_forward_modes(context_fn: Callable[[], Any]) -> Callable[[], Any]:
             with forward_ctx, replay.recording():
                 yield
 
-        @contextmanager
-        def recompute() -> Generator[None, None, None]:
-            with ExitStack() as stack:
-                for mode in modes:
-                    stack.enter_context(mode)
-                stack.enter_context(recompute_ctx)
-                stack.enter_context(replay.replaying())
-                yield
+        def recompute() -> ExitStack:  # entered
+            stack = ExitStack()
+            for mode in modes:
+                stack.enter_context(mode)
+            stack.enter_context(recompute_ctx)
+            stack.enter_context(replay.replaying())
+            return stack
 
-        return forward(), recompute()
+        return forward(), _EachTime(recompute)  # entered once per recompute: twice under a zero-bubble schedule
 
     return contexts
+
+
+class _EachTime:
+    """A context entered anew each time: ``enter()`` enters its parts and returns the ``ExitStack`` that leaves them
+    (a generator-made context manager can be entered once only)."""
+
+    def __init__(self, enter: Callable[[], ExitStack]) -> None:
+        self.enter, self.open = enter, []
+
+    def __enter__(self) -> None:
+        self.open.append(self.enter())
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.open.pop().__exit__(*exc)
 
 
 def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:

@@ -40,7 +40,7 @@ class Pipelining:
         virtual_stages: int | None = None,
         split: Sequence[int] | None = None,
         reshard_after_forward: bool | int | None = None,
-        activation_checkpointing: str | None = None,
+        activation_checkpointing: str | None = None,  # TODO(61): no longer checked here; the strategy drops it
     ) -> None:
         pp = dims.pp  # read from the run's one record of its degrees (ParallelDims, or a Layout)
         if virtual_stages is None:
@@ -59,12 +59,6 @@ class Pipelining:
                 f"pipeline_schedule={schedule!r} splits backward into input and weight passes, which needs "
                 f"each block's parameters kept gathered between forward and backward: use reshard_after_forward=False "
                 f"(or leave it None), not {reshard_after_forward!r}."
-            )
-        if zero_bubble and activation_checkpointing is not None:
-            raise pipeline.PipelineError(
-                f"activation_checkpointing={activation_checkpointing!r} does not combine with {schedule!r} "
-                "yet: its split backward re-runs each checkpointed block twice, which torch's checkpoint refuses. "
-                "Use pipeline_schedule='1F1B' or 'Interleaved1F1B', or activation_checkpointing=None."
             )
         self.dims, self.schedule, self.microbatches, self.virtual_stages = dims, schedule, microbatches, virtual_stages
         self.split = list(split) if split is not None else None

@@ -69,6 +69,11 @@ RUNS["pp2-Interleaved1F1B-ac_full"] = Run(
 RUNS["pp2-InterleavedZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "InterleavedZeroBubble"})
 RUNS["pp2-ZBVZeroBubble"] = Run(2, {**PP, "pipeline_schedule": "ZBVZeroBubble"})
 RUNS["pp2-DualPipeV"] = Run(2, {**PP, "pipeline_schedule": "DualPipeV"})  # torch 2.13's DeepSeek-V3 schedule
+# zero-bubble schedules recompute a checkpointed block twice (for its input gradients, then for its weights')
+RUNS["pp2-ZBVZeroBubble-ac_selective"] = Run(
+    2, {**PP, "pipeline_schedule": "ZBVZeroBubble", "activation_checkpointing": "selective"}
+)
+RUNS["pp2-DualPipeV-ac_full"] = Run(2, {**PP, "pipeline_schedule": "DualPipeV", "activation_checkpointing": "full"})
 RUNS["pp2xdp2-1F1B-accum2"] = Run(4, PP, accumulate=2, ledger=True)
 RUNS["pp2xtp2-Interleaved1F1B-meta_init"] = Run(
     4, {**PP, "tensor_parallel": 2, "pipeline_schedule": "Interleaved1F1B"}, meta_init=True, ledger=True

@@ -54,6 +54,28 @@ RUNS: dict[str, Run] = {
     "hf_qwen3-pp2-ZBVZeroBubble": Run(
         2, {"model": "hf_qwen3", "strategy": {**PP2, "pipeline_schedule": "ZBVZeroBubble"}}
     ),
+    # activation checkpointing under a zero-bubble schedule: each block recomputed for its input gradients and again
+    # for its weights'; with experts split over ranks, their exchanged counts replayed in both recomputes
+    "hf_qwen3-pp2-ZBVZeroBubble-ac_full": Run(
+        2,
+        {
+            "model": "hf_qwen3",
+            "strategy": {**PP2, "pipeline_schedule": "ZBVZeroBubble", "activation_checkpointing": "full"},
+        },
+    ),
+    "hf_qwen3_moe_noaux-pp2xep2-ZBVZeroBubble-ac_selective": Run(
+        4,
+        {
+            "model": "hf_qwen3_moe_noaux",
+            "strategy": {
+                **PP2,
+                "expert_parallel": 2,
+                "pipeline_schedule": "ZBVZeroBubble",
+                "microbatches": 4,
+                "activation_checkpointing": "selective",
+            },
+        },
+    ),  # fmt: skip
     "hf_llama-pp2-GPipe-split_1_3": Run(
         2, {"model": "hf_llama", "strategy": {**PP2, "pipeline_schedule": "GPipe", "pipeline_split": [1, 3]}}
     ),
