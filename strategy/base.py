@@ -357,6 +357,12 @@ class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = own_precision(plugin, CuboidPrecision)
 
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.cpu_offload:  # under cpu_offload the shards stay in host memory
+            self.model.to(self.root_device)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -26,7 +26,7 @@ from cuboid import compat
 from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
 from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
-from cuboid.measure import Estimate, check_fits, device_bytes, refuse_if_too_big
+from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
     FLATTENED,
@@ -252,6 +252,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         assert lm is not None
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
+        hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
         self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
@@ -264,7 +265,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.checkpointer.make_group()
         self.job_guard.extra_group(self.checkpointer.group)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.job_guard.setup(trainer, fitting, self.checkpointer.failure, self.checkpointer.settle)
+        self.job_guard.setup(trainer, fitting, self.checkpointer, self.distributed_sampler_kwargs, self.dp_mesh.size())
         self.model_to_device()
         self.buffers.setup(lm, self.dp_group)
         self.barrier()
@@ -278,7 +279,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
         if fitting and self.replicas is not None:  # torchft's manager and the gradient average over groups
-            self.replicas.start(trainer, self)
+            roots = [lm, *(stage.submod for stage in getattr(self.pipelining.runner, "stages", ()))]  # pp: stages too
+            self.replicas.start(trainer, roots, self.checkpointer.position, self.distributed_sampler_kwargs)
 
     def _device_capacity(self) -> float | None:
         return device_bytes(self.root_device, self.cpu_offload)
@@ -310,12 +312,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.pipelining.build_schedule(stages, mesh, self.root_device)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
         self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        if not self.cpu_offload:
-            self.model.to(self.root_device)
 
     @contextmanager
     @override

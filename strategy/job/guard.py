@@ -7,7 +7,7 @@ rank's peers, collective timeouts and the flight recorder (a hang), and one run 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ class JobGuard:
         self.dump_dir: Path | None = None
         self.shared_run: str | None = None  # fault-tolerant replica groups share checkpoint directories (RunLock)
         self.host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
+        self.mesh: Any = None  # the strategy's device mesh, handed to after_mesh
         self.watchdog: PeerWatchdog | None = None
         self.stop: stopping.StopAgreement | None = None
         self.even: EvenBatches | None = None
@@ -56,6 +57,7 @@ class JobGuard:
             self.watchdog.start()
 
     def after_mesh(self, mesh: Any, names: Sequence[str], rank: int) -> None:
+        self.mesh = mesh
         if self.host_group is None:
             self.host_group = stopping.host_group()
         groups = hangs.known_groups(
@@ -71,25 +73,21 @@ class JobGuard:
 
     # --- setup
     def setup(
-        self,
-        trainer: Any,
-        fitting: bool,
-        save_failure: Callable[[], BaseException | None],
-        settle_saves: Callable[[], None] = lambda: None,
+        self, trainer: Any, fitting: bool, saves: stopping.BackgroundSaves, dealt: Mapping[str, int], data_ranks: int
     ) -> None:
+        """The strategy's setup: ``saves``, its checkpointer; ``dealt``, Lightning's sampler split (``rank``,
+        ``num_replicas``: the data-parallel ranks, whose peers share a rank); ``data_ranks``, the dp degree."""
         self.even = EvenBatches(trainer, self.host_group)
         self.even.install()
-        dealt = trainer.strategy.distributed_sampler_kwargs  # the data-parallel ranks: peers share a rank
-        data_ranks = trainer.strategy.dp_mesh.size()
         self.peers = PeerBatches(trainer, self.host_group, dealt["rank"], data_ranks, dealt["num_replicas"])
         self.peers.install()
         if fitting:
-            tp = trainer.strategy.device_mesh["tp"]
+            tp = self.mesh["tp"]
             if tp.size() > 1:  # whole parameters get the same gradient on every tp rank (cuboid.step.tp_gradients)
                 self.tp_gradients = TpGradients(trainer, tp.get_group())
                 self.tp_gradients.install()
             self._lock_checkpoint_dirs(trainer)
-            self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, save_failure, settle_saves)
+            self.stop = stopping.StopAgreement(trainer, self.host_group, self.preempt_on, saves)
             self.stop.install()
 
     def _lock_checkpoint_dirs(self, trainer: Any) -> None:

@@ -32,7 +32,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -67,20 +67,32 @@ def signal_numbers(names: Sequence[str | int]) -> tuple[signal.Signals, ...]:
     return tuple(out)
 
 
-class StopAgreement(L.Callback):
-    """Added to the Trainer's callbacks by the strategy at setup (fit only); see the module docstring."""
+class BackgroundSaves(Protocol):
+    """What the stop agreement uses of the strategy's checkpointer (:class:`cuboid.checkpoint.Checkpointer`)."""
 
-    def __init__(
-        self,
-        trainer: Any,
-        group: Any,
-        preempt_on: Sequence[signal.Signals],
-        save_failure: Callable[[], BaseException | None] = lambda: None,
-        settle_saves: Callable[[], None] = lambda: None,
-    ) -> None:
+    def failure(self) -> BaseException | None:
+        """A background save that failed (None while it runs or when it succeeded), without waiting."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for a background save to finish, keeping its outcome for :meth:`failure`."""
+        ...
+
+    def wait(self) -> None:
+        """Wait until a background save is on disk, raising its error if it failed."""
+        ...
+
+
+class StopAgreement(L.Callback):
+    """Added to the Trainer's callbacks by the strategy at setup (fit only); see the module docstring. ``saves``:
+    the strategy's checkpointer, handed in: its background save's failure, checked at every step, and waited for
+    at the end of training and after a preemption's save."""
+
+    def __init__(self, trainer: Any, group: Any, preempt_on: Sequence[signal.Signals], saves: BackgroundSaves) -> None:
         self.trainer, self.group, self.preempt_on = trainer, group, tuple(preempt_on)
-        self.save_failure = save_failure  # a background save that failed, surfaced at the next step on every rank
-        self.settle_saves = settle_saves  # wait for a background save to finish (at the end of training)
+        self.save_failure = saves.failure  # a background save that failed, surfaced at the next step on every rank
+        self.settle_saves = saves.settle  # wait for a background save to finish (at the end of training)
+        self.wait_for_save = saves.wait  # a preemption's save on disk before the process exits
         self.received = 0  # the strongest request this rank's handlers recorded (STOP or PREEMPT)
         self.preempted_to: Path | None = None
         self._in_flight: tuple[Any, torch.Tensor] | None = None  # the last step's all-reduce and its flag
@@ -160,9 +172,7 @@ class StopAgreement(L.Callback):
         dirpath = getattr(callback, "dirpath", None) or f"{str(trainer.default_root_dir).rstrip('/')}/checkpoints"
         path = to_path(str(dirpath)) / f"preempted-step={trainer.global_step}.ckpt"  # local, or a URL
         trainer.save_checkpoint(str(path))
-        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
-        if wait is not None:
-            wait()  # an async save must be on disk before the process exits
+        self.wait_for_save()  # an async save must be on disk before the process exits
         rank_zero_info(f"Cuboid: preempted after step {trainer.global_step}; checkpoint saved to {path}")
         return path
 

@@ -12,7 +12,7 @@ from cuboid.measure.capacity import (
     local_nbytes,
     refuse_if_too_big,
 )
-from cuboid.measure.ledger import CommLedger
+from cuboid.measure.ledger import CommLedger, hand_to_ledgers
 
 __all__ = [
     "CommLedger",
@@ -20,6 +20,7 @@ __all__ = [
     "check_fits",
     "device_bytes",
     "estimate",
+    "hand_to_ledgers",
     "held_bytes",
     "local_nbytes",
     "refuse_if_too_big",

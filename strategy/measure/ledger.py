@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -119,6 +120,14 @@ class CommLedger(L.Callback):
         self._groups: dict[str, tuple[str, int]] = {}
         self._p2p: Any = None  # on gloo with pp > 1 (see the module docstring)
         self._p2p_active = False
+        self._experts: Any = None  # handed by CuboidStrategy at setup (attach): the experts' meshes under ep
+        self._replica_groups: int | None = None  # and the fault-tolerant replica groups' number, if any
+
+    def attach(self, experts: Any, replica_groups: int | None) -> None:
+        """Handed by :class:`cuboid.CuboidStrategy` at setup, what the ledger reads of the run besides its mesh:
+        the experts' layout under ``expert_parallel > 1`` (their ``ep`` and FSDP meshes; None otherwise) and the
+        number of fault-tolerant replica groups (None without them). Under another strategy nothing is handed."""
+        self._experts, self._replica_groups = experts, replica_groups
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Before the model is built: where the set-up's collectives start (an earlier fit's are not counted)."""
@@ -132,15 +141,10 @@ class CommLedger(L.Callback):
                 "N > 0 (the default, 20000), and do not set TORCH_FR_BUFFER_SIZE=0."
             )
         self._last = newest_records(entries)
-        try:
-            mesh = trainer.strategy.device_mesh
-        except (AttributeError, AssertionError, RuntimeError):  # not a mesh strategy
-            mesh = None
-        experts = getattr(trainer.strategy, "experts_layout", None)
-        self._groups = _mesh_groups(mesh, experts) if mesh is not None else {}
-        replicas = getattr(trainer.strategy, "replicas", None)
-        if replicas is not None:  # torchft's process group over the replica groups: unnamed in the recorder
-            self._groups.setdefault("", ("replica_groups", replicas.config.groups))
+        mesh = getattr(pl_module, "device_mesh", None)  # the strategy's mesh (Lightning's ModelParallel's too)
+        self._groups = _mesh_groups(mesh, self._experts) if mesh is not None else {}
+        if self._replica_groups is not None:  # torchft's process group over the replica groups: unnamed there
+            self._groups.setdefault("", ("replica_groups", self._replica_groups))
         self.setup_table = _tally(entries_after(entries, self._setup_from), self._groups)
         if self.per_step and mesh is not None and "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1:
             import torch.distributed as dist
@@ -184,3 +188,12 @@ class CommLedger(L.Callback):
                     metrics[f"comm/{dim}/{kind}_MB"] = nbytes / 1e6
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def hand_to_ledgers(callbacks: Sequence[Any], experts: Any, replicas: Any) -> None:
+    """Hand each :class:`CommLedger` among a Trainer's ``callbacks`` what it reads of the run (:meth:`CommLedger.attach`):
+    the experts' layout and, with fault-tolerant ``replicas`` (:class:`cuboid.replicas.ReplicaGroups`), their number."""
+    groups = replicas.config.groups if replicas is not None else None
+    for callback in callbacks:
+        if isinstance(callback, CommLedger):
+            callback.attach(experts, groups)

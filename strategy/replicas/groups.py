@@ -22,10 +22,10 @@ heals resumes at the peer's data position, on its own slots.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -127,13 +127,10 @@ def _between_steps(fit_loop: dict[str, Any]) -> dict[str, Any]:
     return fit_loop
 
 
-def fsdp_modules(strategy: Any) -> list[nn.Module]:
-    """Every FSDP module of this rank: the LightningModule's and, under pp, its pipeline stages' (a stage's own
-    root, which holds the embeddings, the final norm and the output, is not among the LightningModule's)."""
+def fsdp_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every FSDP module under ``roots``, each once: the LightningModule and, under pp, its pipeline stages' own
+    roots (which hold the embeddings, the final norm and the output, and are not among the LightningModule's)."""
     found: dict[int, nn.Module] = {}
-    roots = [strategy.lightning_module]
-    runner = getattr(strategy.pipelining, "runner", None) if strategy.pipelining.enabled else None
-    roots += [stage.submod for stage in getattr(runner, "stages", [])]
     for root in roots:
         for module in root.modules():
             if callable(getattr(module, "set_all_reduce_hook", None)):
@@ -141,8 +138,18 @@ def fsdp_modules(strategy: Any) -> list[nn.Module]:
     return list(found.values())
 
 
+class DataPositionKeeper(Protocol):
+    """What the replica groups use of the checkpointer's data position (:class:`cuboid.checkpoint.DataPosition`):
+    what a live group sends of the data, and taking what a healing group receives."""
+
+    def state(self, trainer: Any, done: int, dp_size: int) -> dict[str, Any]: ...
+
+    def take(self, state: dict[str, Any], dp: tuple[int, int]) -> None: ...
+
+
 class ReplicaGroups:
-    """This job's replica group: torchft's manager, the gradient average over groups, the commit, the heal."""
+    """This job's replica group: torchft's manager, the gradient average over groups, the commit (the precision
+    plugin asks :meth:`commit` before each optimizer step), the heal."""
 
     def __init__(self, config: FaultTolerance, data_parallel_replicate: int = 1) -> None:
         if data_parallel_replicate != 1:
@@ -154,7 +161,8 @@ class ReplicaGroups:
         self.manager: Any = None
         self._quorum_open = False
         self._trainer: Any = None
-        self._strategy: Any = None
+        self._position: DataPositionKeeper | None = None
+        self._dp: tuple[int, int] = (0, 1)  # this rank's data-parallel slot and the slots' number, over every group
         self._joined = False
         self.committed: bool | None = None  # whether the last step's optimizer step ran (None before any step)
 
@@ -178,7 +186,13 @@ class ReplicaGroups:
                 "give the address it prints. Nothing was trained."
             ) from None
 
-    def start(self, trainer: Any, strategy: Any) -> None:
+    def start(
+        self, trainer: Any, roots: Iterable[nn.Module], position: DataPositionKeeper, dealt: Mapping[str, int]
+    ) -> None:
+        """Start torchft's manager for a fit. Handed by the strategy: the trainer (its loop state, module,
+        optimizers and schedulers, which the heal sends and takes), ``roots`` (the modules whose FSDP units get
+        the average over groups), the checkpointer's data ``position`` and ``dealt``, Lightning's sampler split
+        over every group's data-parallel ranks (``rank``, ``num_replicas``)."""
         # torchft's Rust side logs every quorum and commit at INFO (Cuboid prints the joins and heals); a RUST_LOG
         # of the user's own is kept
         os.environ.setdefault("RUST_LOG", "warn")
@@ -191,8 +205,9 @@ class ReplicaGroups:
         # and heals, and torchft's errors ("torchft_errors") stay as they are
         for name in ("torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        self._trainer, self._strategy = trainer, strategy
-        modules = fsdp_modules(strategy)
+        self._trainer, self._position = trainer, position
+        self._dp = (int(dealt["rank"]), int(dealt["num_replicas"]))
+        modules = fsdp_modules(roots)
         if not modules:
             raise ValueError(
                 "fault_tolerance averages gradients over replica groups through FSDP's all-reduce hook, and this "
@@ -208,8 +223,8 @@ class ReplicaGroups:
             use_async_quorum=False,  # heal before the step's forward; the quorum is what waits, not the GPU
             replica_id=f"cuboid_{self.config.replica_group}",
             lighthouse_addr=self.config.lighthouse,
-            rank=strategy.global_rank,
-            world_size=strategy.world_size,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
             store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             store_port=int(os.environ["MASTER_PORT"]),
             timeout=timeout,
@@ -218,7 +233,6 @@ class ReplicaGroups:
         )
         for module in modules:
             module.set_all_reduce_hook(self._average)
-        strategy.precision_plugin.commit = self.commit
         self._joined = False
 
     def join(self) -> None:
@@ -290,36 +304,33 @@ class ReplicaGroups:
 
     # --- the heal: what a peer sends, and taking it ----------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        trainer, strategy = self._trainer, self._strategy
-        lm, dp_size = strategy.lightning_module, strategy.distributed_sampler_kwargs["num_replicas"]
+        trainer, position = self._trainer, self._position
+        assert position is not None  # set by start
         return {
-            "model": _local(nn.Module.state_dict(lm)),
-            "optimizers": [_local(opt.state_dict()) for opt in strategy.optimizers],
-            "schedulers": [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs],
+            "model": _local(nn.Module.state_dict(trainer.lightning_module)),
+            "optimizers": [_local(opt.state_dict()) for opt in trainer.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "fit_loop": trainer.fit_loop.state_dict(),
-            "data": strategy.checkpointer.position.state(
-                trainer, trainer.fit_loop.epoch_loop.batch_progress.current.processed, dp_size
-            ),
+            "data": position.state(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.processed, self._dp[1]),
         }
 
     def _load(self, state: dict[str, Any]) -> None:
-        trainer, strategy = self._trainer, self._strategy
-        lm = strategy.lightning_module
-        own = nn.Module.state_dict(lm, keep_vars=True)
+        trainer, position = self._trainer, self._position
+        assert position is not None  # set by start
+        own = nn.Module.state_dict(trainer.lightning_module, keep_vars=True)
         with torch.no_grad():
             for name, value in state["model"].items():
                 target = own[name]
                 (target.to_local() if hasattr(target, "to_local") else target).copy_(value)
-        for opt, saved in zip(strategy.optimizers, state["optimizers"], strict=True):
+        for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             params = [p for group in opt.param_groups for p in group["params"]]
             saved["state"] = {i: {k: _like(v, params[i]) if torch.is_tensor(v) and v.dim() else v
                                   for k, v in s.items()} for i, s in saved["state"].items()}  # fmt: skip
             opt.load_state_dict(saved)
-        for config, saved in zip(strategy.lr_scheduler_configs, state["schedulers"], strict=True):
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         trainer.fit_loop.load_state_dict(_between_steps(state["fit_loop"]))
-        sampler = strategy.distributed_sampler_kwargs
-        strategy.checkpointer.position.take(state["data"], (sampler["rank"], sampler["num_replicas"]))
+        position.take(state["data"], self._dp)
         rank_zero_info(
             f"Cuboid: replica group {self.config.replica_group} healed from a live group at step "
             f"{trainer.global_step}: weights, optimizer and scheduler state, loop counters and data position"
