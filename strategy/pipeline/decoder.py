@@ -230,7 +230,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
         base = self.get_submodule(info.text)
         kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
-    blocks = getattr(base, info.blocks)
+    blocks = getattr(self.get_submodule(info.text) if info.text else base, info.blocks)
     with stage_edges(blocks, None if info.first else x, capture=not info.last) as edges:
         out = (
             type(base).forward(base, **inputs, use_cache=False, **kwargs)
