@@ -886,3 +886,27 @@ def test_dcp_writes_and_reads_through_fsspec_with_storage_options() -> None:
     writer, reader = compat.fsspec_writer(url, {"marker": "w"}), compat.fsspec_reader(url, {"marker": "r"})
     assert writer.fs.fs.storage_options == {"marker": "w"} and writer.sync_files is False
     assert reader.fs.fs.storage_options == {"marker": "r"}
+
+
+def test_transformers_renames_what_it_saves_as_cuboid_reads_it() -> None:
+    """``compat.hf.saved_names`` asks transformers' loading code (``get_model_conversion_mapping``,
+    ``rename_source_key``) under which key a model's weight is saved: LLaVA keeps its language model's under
+    ``language_model.model.*`` and its head under ``language_model.lm_head``; a Llama is saved under its own names."""
+    transformers = pytest.importorskip("transformers")
+    from cuboid.compat.hf import saved_names
+
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
+    llava = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63)
+    )
+    saved = ["language_model.model.layers.0.self_attn.q_proj.weight", "language_model.lm_head.weight",
+             "vision_tower.vision_model.embeddings.patch_embedding.weight"]  # fmt: skip
+    got = saved_names(llava, saved)
+    assert got["model.language_model.layers.0.self_attn.q_proj.weight"] == saved[0]
+    assert got["lm_head.weight"] == saved[1]
+    assert set(got.values()) == set(saved) and set(got) <= set(llava.state_dict())
+    llama = transformers.LlamaForCausalLM(text)
+    assert saved_names(llama, ["model.layers.0.self_attn.q_proj.weight"]) == {}

@@ -13,6 +13,7 @@ masks are ignored, since this function applies both on global positions.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -114,3 +115,32 @@ def _check_layer_types(model: nn.Module, config: Any) -> None:
             "layers). Cuboid's context parallel splits attention across ranks only, so those layers would see this "
             "rank's tokens alone and train silently wrong. Use context_parallel=1."
         )
+
+
+def language_model(root: nn.Module, lm: nn.Module, blocks: list[str], pipelined: bool) -> nn.Module:
+    """Where the sequence is cut: ``root``, or in a composite model (a transformers vision-language model: a vision
+    tower and a projector whose features take the image tokens' places in its language model's input), its
+    language model, which holds the blocks. The tower then runs on whole images on every rank, and only the
+    language model's own sequence (``inputs_embeds``, the image features merged) is cut, image tokens at their
+    global positions."""
+    config = getattr(root, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return root
+    name = type(root).__name__.removeprefix("FSDP")  # (FSDP2's class for a sharded module)
+    if "token_type_ids" in inspect.signature(type(root).forward).parameters:
+        raise ContextParallelError(
+            f"context_parallel cannot split {name}: its image tokens attend to each other both ways, through a "
+            "mask its forward builds from token_type_ids, and Cuboid's context-parallel attention is causal "
+            "(with windows). Use context_parallel=1; data and tensor parallel take it."
+        )
+    if pipelined:
+        raise ContextParallelError(
+            f"context_parallel with pipeline_parallel cannot split {name} yet: the first stage's token ids would be "
+            "cut before its image features take their places. Use one of the two."
+        )
+    holder = blocks[0].rsplit(".", 2)[0]  # "model.model.language_model" of "model.model.language_model.layers.0"
+    try:
+        return lm.get_submodule(holder)
+    except AttributeError:
+        return root.get_submodule(holder.partition(".")[2])

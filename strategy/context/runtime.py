@@ -94,6 +94,7 @@ class ContextParallel:
                 "to split the sequence for. Name them with block_container='model.layers', or use context_parallel=1."
             )
         root = root if root is not None else lm.get_submodule(blocks[0].split(".")[0])
+        root = hf.language_model(root, lm, blocks, pipelined=runner is not None)
         check_attention(root, self.size)
         self.group, self.rank = group, dist.get_rank(group)
         self.positions_keyword = positions_keyword(root)
@@ -111,6 +112,7 @@ class ContextParallel:
         if not self.enabled:
             yield
             return
+        self._seq = None  # until the model's sequence is cut (a vision tower before it runs on whole images)
         with running(self), _Interceptor(self):
             yield
         if self._seq is not None and not self._checked:
@@ -132,7 +134,9 @@ class ContextParallel:
         bound = signature.bind(*args, **kwargs)
         named, var_keyword = bound.arguments, _var_keyword(signature)
         values = {**{k: v for k, v in named.items() if k != var_keyword}, **named.get(var_keyword, {})}
-        first = next((k for k, v in values.items() if isinstance(v, torch.Tensor) and k != "labels"), None)
+        first = next((k for k in ("input_ids", "inputs_embeds") if isinstance(values.get(k), torch.Tensor)), None)
+        if first is None:
+            first = next((k for k, v in values.items() if isinstance(v, torch.Tensor) and k != "labels"), None)
         tokens = values.get(first) if first is not None else None
         if tokens is None or tokens.dim() < 2:
             shape = "no tensor" if tokens is None else f"a tensor of shape {tuple(tokens.shape)}"
@@ -342,7 +346,8 @@ class _Interceptor(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.cp._seq is not None and not self.cp._inside:
-            if func is F.scaled_dot_product_attention:
+            # (a transformers model's split attention is its "cuboid_cp" function: its vision tower's is its own)
+            if func is F.scaled_dot_product_attention and not self.cp._transformers:
                 return self.cp.sdpa(*args, **kwargs)
             loss = getattr(func, "__wrapped__", func)  # loss parallel's F.cross_entropy wraps torch's
             if loss in _LOSSES:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from ahead import ahead
-from harness import WORKERS, SpecRuns
-from parity_lib import LOSS_RTOL, PARAM_ATOL, parity_errors
+from harness import WORKERS, SpecRuns, python
+from parity_lib import LOSS_RTOL, PARAM_ATOL, SEQ, parity_errors
 
 third_party = pytest.importorskip("third_party")
 pytest.importorskip("transformers")
@@ -61,6 +61,9 @@ RUNS: dict[str, Run] = {
     # the tower and projector on the first stage, their features in its activations; the language model's blocks cut
     "hf_llava-pp2": Run(2, {"model": "hf_llava", "strategy": {"pipeline_parallel": 2}}),
     "hf_llava-pp2xtp2": Run(4, {"model": "hf_llava", "strategy": {"pipeline_parallel": 2, **TP2}}),
+    # the tower on whole images on every rank; the language model's sequence (image features merged) cut, image
+    # tokens at their global positions (32 tokens: cp2 cuts a multiple of 4)
+    "hf_llava-cp2": Run(2, {"model": "hf_llava", "strategy": {"context_parallel": 2}, "seq": 31}),
     # Granite: its base model's forward scales the embeddings (embedding_multiplier): once, on the first stage
     "hf_granite-pp2": Run(2, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2}}),
     "hf_granite-pp2xtp2": Run(4, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2, **TP2}}),
@@ -93,10 +96,9 @@ FIT_RUNS: dict[str, dict] = {
 # Apertus at tp2 with its own plan: each tp rank got its share of up_proj's features' gradient for the parameters of
 # the activation between up_proj and down_proj (off by 5.8e-03 at tp2 and dp2 x tp2 after 12 steps, with no error).
 APERTUS_ERROR = "hf_apertus-tp2-own_plan"
-# LLaVA where Cuboid still refuses it, before any work: under cp the sequence (image tokens and caption) is cut
-# before the model merges the image features into it.
+# Where Cuboid refuses a composite model, before any work: Gemma 3's image tokens attend to each other both ways
+# through a mask its composite forward builds from token_type_ids. Under cp (whose attention is causal)
 VLM_REFUSED = {
-    "hf_llava-cp2": {"context_parallel": 2},
     "hf_gemma3_vl-cp2": {"context_parallel": 2},
     # Gemma 3's image tokens attend both ways through a mask its composite forward builds from token_type_ids: a
     # later stage, the language model alone, would build a causal one (it ran 1.6e-03 off one process, no error)
@@ -106,6 +108,9 @@ VLM_REFUSED = {
 CKPT_RUNS = {"hf_qwen3-from-tp2-to-dp2": 2, "hf_qwen3-from-tp2-to-dp2xtp2": 4}
 # LLaVA saved at tp2 (sharded, step 6), resumed at pp2: the tower's and the projector's weights to the first stage.
 VLM_CKPT = "hf_llava-from-tp2-to-pp2"
+# LLaVA built on meta at pp2 x tp2, from a transformers directory (which keeps its weights under other names:
+# language_model.model.layers..., transformers renames them when it loads): each rank reads its own tensors.
+VLM_PRETRAINED = "hf_llava-pp2xtp2-pretrained"
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +138,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     vlm_saved = out / "llava-tp2" / "step=6.ckpt"
     launches[2].append({"name": "hf_llava-tp2-save", "model": "hf_llava", "strategy": TP2, "max_steps": 7,
                         "save_every": 6, "save_dir": str(vlm_saved.parent)})  # fmt: skip
+    torch.manual_seed(99)  # other weights than every run starts from, saved as transformers saves them
+    third_party.build_model("hf_llava").save_pretrained(out / "llava-pretrained")
+    launches[4].append({"name": VLM_PRETRAINED, "model": "hf_llava", "meta_init": True, "max_steps": 1,
+                        "strategy": {"pipeline_parallel": 2, **TP2, "pretrained": {"model": str(out / "llava-pretrained")}}})  # fmt: skip
     launches[2].append({"name": VLM_CKPT, "model": "hf_llava", "strategy": {"pipeline_parallel": 2},
                         "resume_from": str(vlm_saved)})  # fmt: skip
     for name, strategy in VLM_REFUSED.items():
         family = name.rpartition("-")[0]
-        launches[2].append({"name": name, "model": family, "strategy": strategy, "expect_error": True})
+        launches[2].append({"name": name, "model": family, "strategy": strategy, "seq": 31, "expect_error": True})
     for name, spec in FIT_RUNS.items():
         launches[2].append({"name": name, "model": "hf_llama", "meta_init": True, "strategy": {}, **spec})
     got = SpecRuns(out)
@@ -147,13 +156,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[tuple[str, bool], object]:
-    keys = {(run.spec["model"], run.spec.get("meta_init", False)) for run in RUNS.values()} | {("hf_qwen3", False)}
-    return {key: third_party.reference_run(*key) for key in keys}
+def references() -> dict[tuple[str, bool, int], object]:
+    keys = {_reference_key(run.spec) for run in RUNS.values()} | {("hf_qwen3", False, SEQ)}
+    return {key: third_party.reference_run(key[0], key[1], seq=key[2]) for key in keys}
+
+
+def _reference_key(spec: dict) -> tuple[str, bool, int]:
+    return spec["model"], spec.get("meta_init", False), spec.get("seq", SEQ)
 
 
 def test_references_clip_on_some_steps_only(references) -> None:
-    for (family, _), ref in references.items():
+    for (family, _, _), ref in references.items():
         clipped = [n > third_party.CLIP[family] for n in ref.grad_norms]
         assert any(clipped) and not all(clipped), (family, ref.grad_norms)
 
@@ -169,7 +182,7 @@ def _check_parity(name: str, got: dict, ref, steps: slice = slice(None)) -> None
 @pytest.mark.parametrize("name", list(RUNS))
 def test_third_party_model_matches_single_process(name: str, results, references) -> None:
     spec = RUNS[name].spec
-    _check_parity(name, results[name], references[(spec["model"], spec.get("meta_init", False))])
+    _check_parity(name, results[name], references[_reference_key(spec)])
 
 
 @pytest.mark.slow
@@ -264,7 +277,7 @@ def test_whole_parameters_with_a_share_of_the_gradient_under_tp_stop_the_first_s
 @pytest.mark.parametrize("name", list(CKPT_RUNS))
 def test_third_party_checkpoint_reshards(name: str, results, references) -> None:
     """A full-format checkpoint of Qwen3 saved at tp2 resumes at dp2 and dp2 x tp2 on the single-process curve."""
-    _check_parity(name, results[name], references[("hf_qwen3", False)], steps=slice(6, None))
+    _check_parity(name, results[name], references[("hf_qwen3", False, SEQ)], steps=slice(6, None))
 
 
 def test_plan_given_as_data_and_blocks_found_for_vit() -> None:
@@ -291,12 +304,12 @@ def test_meta_init_reference_is_what_rank0_builds() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(VLM_REFUSED))
 def test_a_vision_language_model_is_refused_where_it_is_not_yet_split(name: str, results) -> None:
-    """cp stops before any work, saying why (issue 60: the sequence would be cut before the image features are
-    merged into it); so does Gemma 3's multimodal model under pp (its image tokens' two-way mask)."""
+    """Gemma 3's multimodal model stops before any work under cp and pp, saying why: its image tokens attend to each
+    other both ways, through a mask its composite forward builds from token_type_ids."""
     error = results[name]["error"]
     print(f"{name}: {error}")
-    want = {"hf_llava-cp2": "ContextParallelError: a sequence of 33 tokens cannot be split",
-            "hf_gemma3_vl-cp2": "ContextParallelError: a sequence of 33 tokens cannot be split",
+    want = {"hf_gemma3_vl-cp2": "ContextParallelError: context_parallel cannot split Gemma3ForConditionalGeneration: "
+                                "its image tokens attend to each other both ways",
             "hf_gemma3_vl-pp2": "PipelineError: model cannot be cut into pipeline stages: Gemma3Model.forward takes "
                                 "token_type_ids"}  # fmt: skip
     assert error is not None and error.startswith(want[name]), error
@@ -306,7 +319,39 @@ def test_a_vision_language_model_is_refused_where_it_is_not_yet_split(name: str,
 def test_a_vision_language_checkpoint_saved_at_tp2_resumes_at_pp2(results, references) -> None:
     """Saved by LLaVA at tp2 (step 6), resumed at pp2: steps 7-12 of one process; the vision tower lives on the
     first stage only."""
-    _check_parity(VLM_CKPT, results[VLM_CKPT], references[("hf_llava", False)], steps=slice(6, None))
+    _check_parity(VLM_CKPT, results[VLM_CKPT], references[("hf_llava", False, SEQ)], steps=slice(6, None))
     ranks = results[VLM_CKPT]["ranks"]
     on = {r["pp_rank"]: any("vision_tower" in p for p in r["placements"]) for r in ranks}
     assert on == {0: True, 1: False}, on
+
+
+@pytest.mark.slow
+def test_a_vision_language_model_reads_and_writes_its_transformers_directory(results, tmp_path) -> None:
+    """pretrained= on a transformers LLaVA directory at pp2 x tp2: the first loss is from_pretrained's on the same
+    batch. The tp2 checkpoint exported with --config: from_pretrained loads it, every weight the checkpoint's."""
+    import sys
+
+    import transformers
+
+    from cuboid import read_model_weights
+
+    out = results.out
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(out / "llava-pretrained")
+    data = third_party.dataset("hf_llava")
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(third_party.SEED)).tolist()
+    items = [data[i] for i in perm[: third_party.GLOBAL_BATCH]]
+    with torch.no_grad():
+        expected = float(third_party.hf_loss(model, {k: torch.stack([it[k] for it in items]) for k in items[0]}))
+    got = results[VLM_PRETRAINED]["losses"][0]
+    print(f"LLaVA pretrained pp2 x tp2 first loss {got:.6f}, from_pretrained {expected:.6f}")
+    assert abs(got - expected) / expected <= LOSS_RTOL, (got, expected)
+
+    ckpt = out / "llava-tp2" / "step=6.ckpt"
+    cmd = [sys.executable, "-m", "cuboid.export", str(ckpt), str(tmp_path / "llava"), "--config",
+           str(out / "llava-pretrained")]  # fmt: skip
+    done = python(cmd, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "llava")
+    saved = read_model_weights(ckpt)
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[f"model.{name}"]), name
