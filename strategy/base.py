@@ -223,6 +223,31 @@ class MeshCollectives:
         for source in sources:
             load_pretrained(root, source)
 
+    def prepare_build(
+        self,
+        root: nn.Module,
+        mp_policy: Any,
+        pretrained: Mapping[str, str],
+        restored: set[str] = frozenset(),  # type: ignore[assignment]
+        pipelined: bool = False,
+    ) -> tuple[Any, ParallelSettings]:
+        """A build's first half: ``root``'s weights prepared (a meta model initialised by its own init; under pp,
+        with ``pipelined``, rank 0's values kept whole until the split; ``restored``: the names a checkpoint about
+        to be loaded fills, left uninitialised), and the settings each parallelization takes. Returns both; the
+        weights go to :meth:`finish_build` once the route chosen has parallelized the model."""
+        local = self.initializes_locally
+        weights = prepare_weights(
+            root, pretrained, self.root_device, pipelined=pipelined, restored=restored, local=local
+        )
+        return weights, self.parallel_settings(mp_policy)
+
+    def finish_build(self, root: nn.Module, weights: Any, blocks: list[tuple[str, nn.Module]]) -> None:
+        """A build's last half: the weights :meth:`prepare_build` prepared filled shard by shard. ``weights_made``
+        then says how many pieces rank 0 initialised and how many real tensors it sent."""
+        dp_mesh = submesh(self.device_mesh, "dp")
+        finish_weights(root, weights, blocks, self.root_device, dp_mesh, self.cpu_offload, self.device_mesh)
+        self.weights_made = dict(weights.made)
+
     def build_model(
         self,
         root: nn.Module,
@@ -230,28 +255,14 @@ class MeshCollectives:
         matched: dict[str, Any],
         mp_policy: Any,
         pretrained: Mapping[str, str],
-        build_stages: Callable[[ParallelSettings], Any] | None = None,
         restored: set[str] = frozenset(),  # type: ignore[assignment]
-    ) -> Any:
-        """Parallelize ``root`` in place: its weights prepared (a meta model initialised by its own init), then tp,
-        activation checkpointing, compile and FSDP2 per block (by ``build_stages(settings)`` under pp, which keeps
-        this rank's stages), then its weights filled shard by shard. ``restored``: the names a checkpoint about to
-        be loaded fills, left uninitialised. Returns what ``build_stages`` returned. ``weights_made`` then says
-        how many pieces rank 0 initialised and how many real tensors it sent."""
-        pipelined, local = build_stages is not None, self.initializes_locally
-        weights = prepare_weights(
-            root, pretrained, self.root_device, pipelined=pipelined, restored=restored, local=local
-        )
-        settings = self.parallel_settings(mp_policy)
-        stages = None
-        if build_stages is not None:
-            stages = build_stages(settings)
-        else:
-            parallelize_plain(root, blocks, matched, settings)
-        dp_mesh = submesh(self.device_mesh, "dp")
-        finish_weights(root, weights, blocks, self.root_device, dp_mesh, self.cpu_offload, self.device_mesh)
-        self.weights_made = dict(weights.made)
-        return stages
+    ) -> None:
+        """Parallelize ``root`` whole, in place (the plain route, both doors'): :meth:`prepare_build`, then tp,
+        activation checkpointing, compile and FSDP2 per block, then :meth:`finish_build`. The pipelined route is
+        the Trainer strategy's: it calls the same halves around the pipeline's stage build."""
+        weights, settings = self.prepare_build(root, mp_policy, pretrained, restored)
+        parallelize_plain(root, blocks, matched, settings)
+        self.finish_build(root, weights, blocks)
 
     def hook_step(
         self, module: nn.Module, blocks: list[tuple[str, nn.Module]], runner: Any = None, root: nn.Module | None = None

@@ -300,16 +300,14 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         capacity = self._device_capacity()
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
             refuse_if_too_big(self.fit_estimate, self.layout, capacity, self._dp_shard_auto)
-        build_stages = None
-        if pipelined:
-
-            def build_stages(settings: Any) -> Any:
-                return self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
-
         mp_policy = self.precision_plugin.mixed_precision_policy
-        stages = self.build_model(lm, blocks, matched, mp_policy, self.pretrained, build_stages, restored)
-        if pipelined:
+        if pipelined:  # this rank's stages, each parallelized by the pipeline, between the build's two halves
+            weights, settings = self.prepare_build(lm, mp_policy, self.pretrained, restored, pipelined=True)
+            stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
+            self.finish_build(lm, weights, blocks)
             self.pipelining.build_schedule(stages, mesh, self.root_device)
+        else:
+            self.build_model(lm, blocks, matched, mp_policy, self.pretrained, restored)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
         self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
 
