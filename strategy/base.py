@@ -2,18 +2,17 @@
 (:class:`cuboid.CuboidStrategy`) and Fabric's (:class:`cuboid.fabric.CuboidStrategy`), and :class:`MeshStrategy`, the
 Trainer's ``ParallelStrategy`` on it.
 
-One build: the arguments both doors take are checked once (:meth:`MeshCollectives.init_build`), the processes, the
-process group and the meshes start one way (:meth:`MeshCollectives.start_mesh`), and the model is parallelized with
-one set of settings (:meth:`MeshCollectives.parallel_settings`). The degrees live in one record,
-:class:`~cuboid.parallel.dims.ParallelDims`. Each door keeps only its own framework's hooks.
+One build: the arguments both doors take arrive as one checked record, :class:`~cuboid.parallel.BuildSettings`
+(:meth:`MeshCollectives.init_build`); the processes, the process group and the meshes start one way
+(:meth:`MeshCollectives.start_mesh`), and the model is parallelized with one set of settings
+(:meth:`MeshCollectives.parallel_settings`). The degrees, resolved, live in :class:`~cuboid.parallel.ParallelDims`.
+Each door keeps only its own framework's hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -34,38 +33,21 @@ from cuboid.dropin import Replicating
 from cuboid.experts import LoadBalancing
 from cuboid.job import start_process_group
 from cuboid.parallel import (
-    ACMode,
+    BuildSettings,
     Layout,
     ParallelDims,
     ParallelSettings,
-    check_ac_mode,
-    check_plan_styles,
     finish_weights,
     parallelize_plain,
     prepare_weights,
     submesh,
 )
-from cuboid.step import CuboidPrecision, DeferMode, DeferredReductions
+from cuboid.step import CuboidPrecision, DeferredReductions
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 P = TypeVar("P")
-# The arguments both doors take and keep as they are, besides the degrees (read by Layout.from_arguments).
-BUILD_ARGUMENTS = (
-    "tensor_parallel_plan",
-    "block_container",
-    "activation_checkpointing",
-    "cpu_offload",
-    "compile",
-    "pretrained",
-    "load_balancing",
-    "process_group_backend",
-    "timeout",
-    "weights_init",
-    "defer_reductions",
-)
-WEIGHTS_INIT = ("auto", "rank0", "local")
 
 
 def own_precision(plugin: Any, kind: Callable[..., P]) -> P | None:
@@ -82,6 +64,7 @@ class MeshCollectives:
     data-parallel sub-mesh ``"dp"`` (data is split over ``dp`` only), the sampler's arguments, and barrier, broadcast
     and decisions over every rank."""
 
+    settings: BuildSettings
     dims: ParallelDims
     _process_group_backend: str | None = None
     parallel_devices: list[torch.device] | None
@@ -93,52 +76,18 @@ class MeshCollectives:
     # (what cuboid.models.CausalLM(meta_init=None) asks a strategy).
     materializes_meta = True
 
-    def init_build(self, arguments: Mapping[str, Any], reshard_after_forward: bool | int) -> None:
-        """Check and keep the arguments both doors take, read by name from the door's ``arguments`` (its
-        ``__init__``'s, e.g. ``locals()``): the degrees (``pipeline_parallel``, ..., ``expert_parallel``) into
-        :attr:`dims`, the one record of them, and the build's settings (:data:`BUILD_ARGUMENTS`)."""
-        self.dims = ParallelDims(Layout.from_arguments(arguments))
-        self._keep_build_arguments(reshard_after_forward, **{name: arguments[name] for name in BUILD_ARGUMENTS})
-
-    def _keep_build_arguments(
-        self,
-        reshard_after_forward: bool | int,
-        *,
-        tensor_parallel_plan: Mapping[str, str] | None,
-        block_container: str | None,
-        activation_checkpointing: ACMode | None,
-        cpu_offload: bool,
-        compile: bool,
-        pretrained: Mapping[str, str | Path | None] | None,
-        load_balancing: str,
-        process_group_backend: str | None,
-        timeout: timedelta | float | None,
-        weights_init: str,
-        defer_reductions: DeferMode | None,
-    ) -> None:
-        check_ac_mode(activation_checkpointing)
-        if weights_init not in WEIGHTS_INIT:
-            raise ValueError(f"weights_init={weights_init!r}: choose 'auto', 'rank0' or 'local'.")
-        if weights_init == "local" and cpu_offload:
-            raise ValueError(
-                "weights_init='local' with cpu_offload=True: offloaded shards live in host memory, where DTensor has "
-                "no random-number tracker. Use weights_init='rank0' (or 'auto', which chooses it under offload)."
-            )
-        self.weights_init = weights_init
-        layout = self.dims.layout
-        self.deferred = DeferredReductions(defer_reductions, hsdp=layout.dp_replicate > 1, pipelined=layout.pp > 1)
-        check_plan_styles(tensor_parallel_plan)
-        self.context = ContextParallel(self.dims, compile, activation_checkpointing)
-        self.load_balancing = LoadBalancing(load_balancing)
-        self.tensor_parallel_plan = dict(tensor_parallel_plan) if tensor_parallel_plan is not None else None
-        self.block_container = block_container
-        self.activation_checkpointing = activation_checkpointing
-        self.reshard_after_forward = reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.compile = compile
-        self.pretrained = {str(k): str(v) for k, v in (pretrained or {}).items() if v is not None}
-        self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    def init_build(self, settings: BuildSettings) -> None:
+        """Keep the door's checked record (:attr:`settings`), the degrees in :attr:`dims`, and make what the
+        settings ask of each step: deferred reductions, context parallel, the experts' load balancing."""
+        self.settings = settings
+        layout = settings.layout
+        self.dims = ParallelDims(layout)
+        self.deferred = DeferredReductions(
+            settings.defer_reductions, hsdp=layout.dp_replicate > 1, pipelined=layout.pp > 1
+        )
+        self.context = ContextParallel(self.dims, settings.compile, settings.activation_checkpointing)
+        self.load_balancing = LoadBalancing(settings.load_balancing)
+        self._process_group_backend = settings.process_group_backend  # resolved by the device at start
 
     @property
     def layout(self) -> Layout:
@@ -158,7 +107,8 @@ class MeshCollectives:
         self._process_group_backend = backend
         if before_group is not None:
             before_group(backend)
-        start_process_group(self.cluster_environment, backend, device, self._timeout)  # type: ignore[attr-defined]
+        timeout = self.settings.timeout
+        start_process_group(self.cluster_environment, backend, device, timeout)  # type: ignore[attr-defined]
         if after_group is not None:
             after_group()
         self.dims.build(device.type)
@@ -170,21 +120,13 @@ class MeshCollectives:
     def initializes_locally(self) -> bool:
         """Whether each rank initializes its own shards of a meta-built model on its device (``weights_init``:
         ``"local"``, or ``"auto"`` on an accelerator without CPU offload) instead of receiving rank 0's."""
-        if self.weights_init == "auto":
-            return self.root_device.type != "cpu" and not self.cpu_offload  # type: ignore[attr-defined]
-        return self.weights_init == "local"
+        if self.settings.weights_init == "auto":
+            return self.root_device.type != "cpu" and not self.settings.cpu_offload  # type: ignore[attr-defined]
+        return self.settings.weights_init == "local"
 
     def parallel_settings(self, mp_policy: Any) -> ParallelSettings:
         """How each block is parallelized (tp, activation checkpointing, compile, FSDP2, the experts' split)."""
-        return ParallelSettings.on(
-            self.device_mesh,
-            mp_policy=mp_policy,
-            activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile,
-            reshard_after_forward=self.reshard_after_forward,
-            cpu_offload=self.cpu_offload,
-            experts=self.dims.experts,
-        )
+        return ParallelSettings.on(self.device_mesh, self.settings, mp_policy, self.dims.experts)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -198,7 +140,7 @@ class MeshCollectives:
 
     @property
     def experts_layout(self) -> Any:
-        """Under ``expert_parallel > 1``, the :class:`~cuboid.parallel.parallelize.ExpertsLayout` (the ``ep`` mesh
+        """Under ``expert_parallel > 1``, the :class:`~cuboid.parallel.mesh.ExpertsLayout` (the ``ep`` mesh
         the experts are split over, the mesh their FSDP shards over); ``None`` otherwise."""
         return self.dims.experts
 
@@ -245,7 +187,8 @@ class MeshCollectives:
         """A build's last half: the weights :meth:`prepare_build` prepared filled shard by shard. ``weights_made``
         then says how many pieces rank 0 initialised and how many real tensors it sent."""
         dp_mesh = submesh(self.device_mesh, "dp")
-        finish_weights(root, weights, blocks, self.root_device, dp_mesh, self.cpu_offload, self.device_mesh)
+        offload = self.settings.cpu_offload
+        finish_weights(root, weights, blocks, self.root_device, dp_mesh, offload, self.device_mesh)
         self.weights_made = dict(weights.made)
 
     def build_model(
@@ -279,7 +222,7 @@ class MeshCollectives:
     def describe_build(self, blocks: list[tuple[str, nn.Module]], matched: dict[str, Any], more: str = "") -> None:
         rank_zero_info(
             f"Cuboid: {len(blocks)} blocks ({blocks[0][0] if blocks else 'none found'} ...), tp plan on "
-            f"{len(matched)} modules, activation checkpointing={self.activation_checkpointing}{more}"
+            f"{len(matched)} modules, activation checkpointing={self.settings.activation_checkpointing}{more}"
         )
 
     # ------------------------------------------------------------------ what Lightning and Fabric ask a strategy
@@ -371,7 +314,7 @@ class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if not self.cpu_offload:  # under cpu_offload the shards stay in host memory
+        if not self.settings.cpu_offload:  # under cpu_offload the shards stay in host memory
             self.model.to(self.root_device)
 
     @contextmanager

@@ -33,6 +33,7 @@ from cuboid.parallel import (
     MESH_NAMES,
     ACMode,
     BufferBroadcast,
+    BuildSettings,
     check_no_fsdp1,
     check_reshard_after_forward,
     find_blocks,
@@ -180,12 +181,16 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.init_build(locals(), reshard_after_forward)  # resolved by the pipeline below
-        pipelining_args = (pipeline_schedule, microbatches, virtual_stages, pipeline_split, reshard_after_forward)
-        self.pipelining = Pipelining(self.dims, *pipelining_args, activation_checkpointing)
-        self.reshard_after_forward = self.pipelining.reshard_after_forward
-        self._dp_shard_auto = data_parallel_shard in ("auto", None)
-        self._replicate_if_it_fits = data_parallel_shard is None  # the default: replicated (DDP) if it fits
+        self.init_build(BuildSettings.make(
+            pipeline_parallel=pipeline_parallel, data_parallel_replicate=data_parallel_replicate,
+            data_parallel_shard=data_parallel_shard, tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+            expert_parallel=expert_parallel, tensor_parallel_plan=tensor_parallel_plan, block_container=block_container,
+            activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload, compile=compile, pretrained=pretrained, load_balancing=load_balancing,
+            weights_init=weights_init, defer_reductions=defer_reductions, process_group_backend=process_group_backend,
+            timeout=timeout))  # fmt: skip
+        split, reshard = pipeline_split, self.settings.reshard_after_forward
+        self.pipelining = Pipelining(self.dims, pipeline_schedule, microbatches, virtual_stages, split, reshard)
         self._replicated_format = checkpoint_format or "full"  # a replicated model writes one file, as DDP does
         self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
         self._pretrained_loaded = False
@@ -194,7 +199,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         position = DataPosition(data_position)  # where a mid-epoch resume starts, checked here
         self.checkpointer = Checkpointer(checkpoint_format or "sharded", async_checkpoint, self.barrier, position)
         peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
-        self.job_guard = JobGuard(preempt_on, peer_timeout, self._timeout or default_pg_timeout, flight_recorder)
+        timeout = self.settings.timeout or default_pg_timeout
+        self.job_guard = JobGuard(preempt_on, peer_timeout, timeout, flight_recorder)
         config = FaultTolerance.of(fault_tolerance)
         self.replicas = ReplicaGroups(config, data_parallel_replicate) if config is not None else None
         self.job_guard.shared_run = config.lighthouse if config is not None else None
@@ -206,9 +212,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         assert self.cluster_environment is not None
         env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
         # Check the layout in the launching process, before any child process or process group exists.
-        check_reshard_after_forward(self.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
+        check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
         check_external_launch(env, nodes, procs)  # before root_device
-        check_before_launch(env, nodes, procs, self.cpu_offload, self.root_device)
+        check_before_launch(env, nodes, procs, self.settings.cpu_offload, self.root_device)
         forget_previous_launch()
         if not env.creates_processes_externally:
             self._launcher = CuboidLauncher(env, procs, nodes)
@@ -230,7 +236,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED, **hooks)
         assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
-        pending = ", the data-parallel ranks sharded or replicated by the model's size" * self._replicate_if_it_fits
+        pending = ", the data-parallel ranks sharded or replicated by the model's size"
+        pending *= self.settings.replicate_if_it_fits
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes{pending}")
 
     @override
@@ -256,8 +263,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
-            self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.pretrained)
-        elif self._replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
+            self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.settings.pretrained)
+        elif self.settings.replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
             self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
             self._parallelize(lm, self._restored(trainer, lm))
@@ -283,31 +290,31 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.replicas.start(trainer, roots, self.checkpointer.position, self.distributed_sampler_kwargs)
 
     def _device_capacity(self) -> float | None:
-        return device_bytes(self.root_device, self.cpu_offload)
+        return device_bytes(self.root_device, self.settings.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
         parallelizes the whole module. Weights are prepared before either and filled once sharded (``restored``:
         names a checkpoint will fill, left uninitialised)."""
-        matched = resolve_plan(lm, self.tensor_parallel_plan, self.layout.tp)
+        matched = resolve_plan(lm, self.settings.tensor_parallel_plan, self.layout.tp)
         matched, self.loss_parallel.enabled = with_loss_parallel(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled
         if pipelined:  # positions in a Lightning optimizer state follow the whole model's order
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
-        blocks = find_blocks(lm, self.block_container)
+        blocks = find_blocks(lm, self.settings.block_container)
         self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
         capacity = self._device_capacity()
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
-            refuse_if_too_big(self.fit_estimate, self.layout, capacity, self._dp_shard_auto)
+            refuse_if_too_big(self.fit_estimate, self.layout, capacity, self.settings.dp_shard_auto)
         mp_policy = self.precision_plugin.mixed_precision_policy
         if pipelined:  # this rank's stages, each parallelized by the pipeline, between the build's two halves
-            weights, settings = self.prepare_build(lm, mp_policy, self.pretrained, restored, pipelined=True)
+            weights, settings = self.prepare_build(lm, mp_policy, self.settings.pretrained, restored, pipelined=True)
             stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
             self.finish_build(lm, weights, blocks)
-            self.pipelining.build_schedule(stages, mesh, self.root_device)
+            self.pipelining.build_schedule(stages, mesh, self.root_device, self.context)
         else:
-            self.build_model(lm, blocks, matched, mp_policy, self.pretrained, restored)
+            self.build_model(lm, blocks, matched, mp_policy, self.settings.pretrained, restored)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
         self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
 

@@ -34,8 +34,6 @@ ALLOWED = {
     "torch's parallelize_module and checkpoint_wrapper do",
     ("experts/hf.py", "module.forward"): "a transformers experts module's forward replaced by the expert-parallel "
     "one, in the model being parallelized",
-    ("pipeline/decoder.py", "stage._modules[base].composite"): "a pipeline stage's decoder told it runs as part "
-    "of a composite model (the stage is built from the user's model, in place)",
     ("experts/balance.py", "block.aux_loss"): "a transformers MoE block's auxiliary loss, read by the model's own "
     "forward, replaced by the one summed over the step's ranks",
     ("experts/balance.py", "output.aux_loss"): "a transformers model output's auxiliary loss replaced by the global "
@@ -48,8 +46,6 @@ ALLOWED = {
     ("step/loss_parallel.py", "lm.__dict__['log_dict']"): "the same, for log_dict",
     ("dropin/replicated.py", "precision.autocast_device"): "the strategy's own precision plugin (this mixin is part "
     "of the strategy class): under DDP, bf16-mixed runs under autocast",
-    ("context/runtime.py", "runner.context"): "the pipeline runner, handed to ContextParallel.setup, is told the "
-    "context parallel runtime that cuts its schedule's inputs",
     ("parallel/build.py", "weights.kept"): "the weights record made by prepare_weights, filled by the build it hands "
     "it to",
     # the model being parallelized, changed in place by name: nn.Module's own way to put a submodule or parameter
@@ -273,3 +269,29 @@ def test_the_top_level_is_left_to_the_glue() -> None:
     names = {path.relative_to(STRATEGY).as_posix() for path in _wing_modules()}
     assert "strategy.py" not in names and "base.py" not in names
     assert "replicas/groups.py" in names and "job/guard.py" in names and "measure/ledger.py" in names
+
+
+def test_the_settings_travel_as_one_typed_record() -> None:
+    """No module of the package reads its arguments back by name through ``locals()``; each door's settings are one
+    frozen BuildSettings whose degrees are typed fields (a checkpoint records them, ``ep`` included)."""
+    import dataclasses
+
+    import pytest
+
+    from cuboid import CuboidStrategy
+    from cuboid.fabric import CuboidStrategy as FabricStrategy
+
+    calls = [
+        f"{path.relative_to(STRATEGY)}:{node.lineno}"
+        for path in STRATEGY.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "locals"
+    ]
+    assert not calls, calls
+    for door in (CuboidStrategy, FabricStrategy):
+        settings = door(tensor_parallel=2, expert_parallel=2, data_parallel_shard=4).settings
+        assert (settings.layout.tp, settings.layout.ep, settings.layout.dp_shard) == (2, 2, 4)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            settings.compile = True  # type: ignore[misc]
+        assert settings.layout.resolve(8).degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2,
+                                                      "ep": 2}  # fmt: skip

@@ -63,7 +63,9 @@ def test_pipeline_arguments_are_checked_up_front() -> None:
     with pytest.raises(PipelineError, match="use reshard_after_forward=False"):
         CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", reshard_after_forward=True)
     CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble", activation_checkpointing="full")  # combine
-    assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble").reshard_after_forward is False
+    assert (
+        CuboidStrategy(pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble").settings.reshard_after_forward is False
+    )
     assert CuboidStrategy(pipeline_parallel=2, pipeline_schedule="Interleaved1F1B").pipelining.microbatches == 8
 
 

@@ -18,7 +18,7 @@ complete, and a checkpoint that a ``last`` link still points to is deleted only 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +134,19 @@ class Checkpointer:
         module: nn.Module,
         optimizers: Sequence[Optimizer],
         trainer: Any,
-        layout_sizes: tuple[int, ...],
+        layout: Mapping[str, int],
         mesh: Any,
         *,
         dp: tuple[int, int],
     ) -> None:
         """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically), with where
-        the data stands. ``dp``: this rank's data-parallel rank and the degree."""
+        the data stands and the ``layout`` it was saved on (every degree, ``ep`` included: ``Layout.degrees``).
+        ``dp``: this rank's data-parallel rank and the degree."""
         checkpoint.pop("state_dict", None)
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         data = self.position.saved(trainer, checkpoint, dp)
-        checkpoint["cuboid"] = {"layout": layout_sizes, "world_size": dist.get_world_size(), **data}
+        checkpoint["cuboid"] = {"layout": dict(layout), "world_size": dist.get_world_size(), **data}
         self.write(path, module, optimizers, checkpoint, mesh)
 
     def write(

@@ -60,8 +60,8 @@ class CheckpointHooks:
             return
         path, trainer = to_path(self.broadcast(str(filepath)), storage_options), self.lightning_module.trainer
         self.buffers.sync()
-        saved, optimizers, sizes, mesh = self._saved_module(), self.optimizers, self.layout.sizes, self.device_mesh
-        self.checkpointer.save(path, checkpoint, saved, optimizers, trainer, sizes, mesh, dp=self._data_parallel())
+        saved, optimizers, degrees, mesh = self._saved_module(), self.optimizers, self.layout.degrees, self.device_mesh
+        self.checkpointer.save(path, checkpoint, saved, optimizers, trainer, degrees, mesh, dp=self._data_parallel())
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background (async) save has been written and renamed into place."""

@@ -99,8 +99,7 @@ class ContextParallel:
         self.group, self.rank = group, dist.get_rank(group)
         self.positions_keyword = positions_keyword(root)
         self._transformers = hf.use_cp_attention(root)
-        if runner is not None:
-            runner.context = self
+        if runner is not None:  # (the runner was handed this runtime when made: it cuts the schedule's inputs)
             for stage in runner.stages:  # a stage's base model has a config of its own: it builds no mask either
                 hf.use_cp_attention(stage.submod)
         else:

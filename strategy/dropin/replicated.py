@@ -28,7 +28,8 @@ class Replicating:
         sizes = {"pipeline_parallel": layout.pp, "data_parallel_replicate": layout.dp_replicate,
                  "tensor_parallel": layout.tp, "context_parallel": layout.cp, "expert_parallel": layout.ep}  # fmt: skip
         choice = choose_replication(lm, self.root_device, self.num_processes, sizes,  # type: ignore[attr-defined]
-                                    cpu_offload=self.cpu_offload, pretrained=self.pretrained,  # type: ignore[attr-defined]
+                                    cpu_offload=self.settings.cpu_offload,  # type: ignore[attr-defined]
+                                    pretrained=self.settings.pretrained,  # type: ignore[attr-defined]
                                     **asked)  # fmt: skip
         rank_zero_info(f"Cuboid: data parallel, {choice.reason}")
         if not choice.replicate:

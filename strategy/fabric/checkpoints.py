@@ -51,7 +51,7 @@ def save(
     path: Path,
     state: Mapping[str, Any],
     module: nn.Module,
-    layout_sizes: tuple[int, ...],
+    layout: Mapping[str, int],
     mesh: Any,
 ) -> None:
     """Write a Fabric state dict as a Cuboid checkpoint (the checkpointer's format), atomically."""
@@ -61,7 +61,7 @@ def save(
         "pytorch-lightning_version": lightning_version,  # what a Trainer's resume reads first
         "lr_schedulers": rest.get("lr_schedulers", []),
         "cuboid": {
-            "layout": layout_sizes,
+            "layout": dict(layout),
             "world_size": dist.get_world_size(),
             "batches_done_in_epoch": 0,
             FABRIC_KEY: {"model": model_key, "optimizers": [key for key, _ in optimizers]},

@@ -37,6 +37,7 @@ from cuboid.fabric.precision import FabricPrecision
 from cuboid.parallel import (
     FLATTENED,
     ACMode,
+    BuildSettings,
     check_no_fsdp1,
     check_reshard_after_forward,
     find_blocks,
@@ -114,7 +115,14 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self.init_build(locals(), True if reshard_after_forward is None else reshard_after_forward)
+        self.init_build(BuildSettings.make(
+            pipeline_parallel=pipeline_parallel, data_parallel_replicate=data_parallel_replicate, data_parallel_shard=data_parallel_shard,
+            tensor_parallel=tensor_parallel, context_parallel=context_parallel, expert_parallel=expert_parallel,
+            tensor_parallel_plan=tensor_parallel_plan, block_container=block_container,
+            activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload, compile=compile, pretrained=pretrained, load_balancing=load_balancing,
+            weights_init=weights_init, defer_reductions=defer_reductions, process_group_backend=process_group_backend,
+            timeout=timeout))  # fmt: skip
         self.checkpointer = Checkpointer(checkpoint_format, False, barrier=self.barrier)
         self._num_nodes = 1
         self._module: nn.Module | None = None
@@ -145,7 +153,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
-        check_reshard_after_forward(self.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
+        check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
         if not env.creates_processes_externally:
             self._launcher = compat.FabricSubprocessScriptLauncher(env, procs, nodes)
 
@@ -170,22 +178,22 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         if is_parallelized_by_user(module):
             holder = nn.Module()
             holder.add_module(_HELD, module)
-            self.fill_parallelized_by_user(holder, module, {_child(k): v for k, v in self.pretrained.items()})
+            self.fill_parallelized_by_user(holder, module, {_child(k): v for k, v in self.settings.pretrained.items()})
         elif self._module is None:
             self._parallelize(module)
         self._module = module
         self.checkpointer.make_group()
-        if not self.cpu_offload:
+        if not self.settings.cpu_offload:
             module.to(self.root_device)
         return module
 
     def _parallelize(self, module: nn.Module) -> None:
-        matched = without_loss_parallel(resolve_plan(module, self.tensor_parallel_plan, self.layout.tp))
+        matched = without_loss_parallel(resolve_plan(module, self.settings.tensor_parallel_plan, self.layout.tp))
         module = self.precision.convert_module(module)
-        blocks = find_blocks(module, self.block_container)
+        blocks = find_blocks(module, self.settings.block_container)
         # The weights are prepared and filled as a LightningModule's child's are, so that a model built on meta is
         # initialised by its own init as a whole (a transformers model's _init_weights reaches its lm_head too).
-        holder, pretrained = nn.Module(), {_child(k): v for k, v in self.pretrained.items()}
+        holder, pretrained = nn.Module(), {_child(k): v for k, v in self.settings.pretrained.items()}
         holder.add_module(_HELD, module)
         # the model is one FSDP root with its blocks (as a LightningModule's child is), not each of its children
         held_blocks = [(_child(name), block) for name, block in blocks]
@@ -303,7 +311,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             )
         assert self._module is not None, "fabric.save before fabric.setup(model)"
         target = to_path(self.broadcast(str(path)), storage_options)  # a local path, or a URL fsspec reaches
-        fabric_checkpoint.save(self.checkpointer, target, state, self._module, self.layout.sizes, self.device_mesh)
+        fabric_checkpoint.save(self.checkpointer, target, state, self._module, self.layout.degrees, self.device_mesh)
 
     @override
     def load_checkpoint(

@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.dropin import choose_units
 from cuboid.parallel import materialize, plans
-from cuboid.parallel.mesh import fsdp_mesh
-from cuboid.parallel.parallelize import ACMode, ExpertsLayout, Part, parallelize
+from cuboid.parallel.mesh import ExpertsLayout, fsdp_mesh
+from cuboid.parallel.parallelize import ACMode, Part, parallelize
+from cuboid.parallel.settings import BuildSettings
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,21 @@ class ParallelSettings:
     experts: ExpertsLayout | None = None  # expert parallel: the experts' split and their FSDP mesh
 
     @classmethod
-    def on(cls, mesh: DeviceMesh, **kwargs: Any) -> ParallelSettings:
-        """The settings on ``mesh``'s ``tp`` dimension and its FSDP dimensions."""
-        return cls(tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh(mesh), **kwargs)
+    def on(
+        cls, mesh: DeviceMesh, settings: BuildSettings, mp_policy: MixedPrecisionPolicy, experts: ExpertsLayout | None
+    ) -> ParallelSettings:
+        """What ``settings`` (a strategy's checked record) asks of each block, on ``mesh``'s ``tp`` dimension and its
+        FSDP dimensions, with FSDP's ``mp_policy`` and, under expert parallel, the experts' meshes."""
+        return cls(
+            tp_mesh=mesh["tp"],
+            dp_mesh=fsdp_mesh(mesh),
+            mp_policy=mp_policy,
+            activation_checkpointing=settings.activation_checkpointing,
+            compile=settings.compile,
+            reshard_after_forward=settings.reshard_after_forward,
+            cpu_offload=settings.cpu_offload,
+            experts=experts,
+        )
 
     def apply(
         self,

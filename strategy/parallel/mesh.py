@@ -4,15 +4,19 @@ One :class:`Layout` per run. :meth:`Layout.resolve` fills ``"auto"`` and checks 
 against the world size before any process group exists; :func:`build_device_mesh` turns it
 into one ``DeviceMesh`` with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, outermost to
 innermost (torchtitan's order), so tensor-parallel peers are neighbouring ranks (the fastest links) and
-context-parallel peers the next nearest.
+context-parallel peers the next nearest. :class:`ParallelDims` is the one record of a run's layout: the degrees,
+resolved against the world size, the meshes built from them, and the questions the rest of Cuboid asks ("which
+ranks read different data?"); context parallel, the pipeline, the expert wiring and both doors read their degrees
+there and keep none of their own (torchtitan's ``ParallelDims`` is the pattern).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cuboid.compat import flatten_mesh, name_mesh, unflatten_mesh
@@ -53,17 +57,6 @@ class Layout:
     cp: int = 1
     tp: int = 1
     ep: int = 1
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> Layout:
-        """The layout from a strategy's arguments, by their names (``pipeline_parallel``, ``data_parallel_replicate``,
-        ``data_parallel_shard``, ``context_parallel``, ``tensor_parallel``, ``expert_parallel``; one left out is
-        the default)."""
-        names = {**_ARG_NAMES, "ep": "expert_parallel"}
-        found = {dim: arguments[arg] for dim, arg in names.items() if arg in arguments}
-        if found.get("dp_shard", "auto") is None:  # left unset: sharded over what is left, unless replicated
-            found["dp_shard"] = "auto"
-        return cls(**found)
 
     def resolve(self, world_size: int) -> Layout:
         """Return the layout with ``"auto"`` filled, or raise :class:`LayoutError`."""
@@ -120,12 +113,19 @@ class Layout:
         assert isinstance(self.dp_shard, int), "resolve() the layout first"
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Every degree by name, ``ep`` included: what a checkpoint records of the layout it was saved on."""
+        assert isinstance(self.dp_shard, int), "resolve() the layout first"
+        return {**dict(zip(MESH_DIMS, self.sizes, strict=True)), "ep": self.ep}
+
     def describe(self) -> str:
         """``pp=1 x dp_replicate=1 x dp_shard=4 x tp=2`` (``cp=`` only where it is above 1; ``, ep=N`` likewise)."""
         dims = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, self.sizes, strict=True) if n != "cp" or s > 1)
         return dims + (f", experts over ep={self.ep}" if self.ep > 1 else "")
 
 
+# Each degree's argument in the doors, for messages (cuboid.parallel.BuildSettings.make builds the layout from them).
 _ARG_NAMES = {
     "pp": "pipeline_parallel",
     "dp_replicate": "data_parallel_replicate",
@@ -238,3 +238,79 @@ def dim_groups(mesh: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
         except (KeyError, RuntimeError, ValueError):
             continue
     return found
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """Where the experts of MoE layers go: split over ``ep_mesh``, FSDP over ``fsdp_mesh`` (the ranks holding the
+    same experts), their gradients divided by ``dp`` (every data-parallel rank's tokens reach them)."""
+
+    ep_mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh
+    dp: int
+
+
+class ParallelDims:
+    """A run's degrees and, once the processes exist, its meshes.
+
+    Made with the degrees as asked (``dp_shard`` may be ``"auto"``); :meth:`resolve` fills ``"auto"`` from the world
+    size (or raises :class:`~cuboid.parallel.mesh.LayoutError`, naming the sizes and the fix) and :meth:`build` makes
+    the device mesh, its data-parallel view and, under expert parallel, the experts' meshes."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._mesh: DeviceMesh | None = None
+        self._dp_mesh: DeviceMesh | None = None
+        self.experts: ExpertsLayout | None = None  # under ep > 1: the meshes each MoE layer's experts use
+
+    # ------------------------------------------------------------------ degrees (read by Pipelining and ContextParallel)
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    def resolve(self, world_size: int) -> Layout:
+        """Fill ``"auto"`` from ``world_size`` and keep the result; raise ``LayoutError`` for sizes that cannot
+        work."""
+        self.layout = self.layout.resolve(world_size)
+        return self.layout
+
+    # ------------------------------------------------------------------ meshes (once the process group exists)
+    def build(self, device_type: str) -> None:
+        """The resolved layout's device mesh, its ``dp`` view and, under ``ep > 1``, the experts' meshes."""
+        layout = self.layout
+        self._mesh, self._dp_mesh = build_device_mesh(layout, device_type)
+        if layout.ep > 1:
+            self.experts = ExpertsLayout(*build_ep_meshes(self._mesh, layout.ep), layout.dp * layout.cp)
+
+    @property
+    def built(self) -> bool:
+        return self._mesh is not None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks (dp_replicate x dp_shard flattened) as a 1-D mesh named ``"dp"``."""
+        if self._dp_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have started (setup_environment).")
+        return self._dp_mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The ranks that read different batches and share this rank's pp, cp and tp coordinates."""
+        return self.dp_mesh.get_group()
+
+    def token_groups(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(name, group) of the ranks that hold different tokens of a step, as one group (``dp_cp``: data parallel
+        x cp, one collective for a sum over all of them), and of cp alone (its ranks hold different parts of the
+        same sequences)."""
+        return dim_groups(self.mesh, ("dp_cp",)), dim_groups(self.mesh, ("cp",))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, get_args
 
@@ -35,6 +34,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from cuboid.compat import SDPA_OPS, RepeatableRecompute, reads_kv_cache_only, torch_function_modes
 from cuboid.dropin import STEP_METHODS
 from cuboid.experts import ExpertParallelError, RoutingReplay, distribute_experts, experts_modules
+from cuboid.parallel.mesh import ExpertsLayout
 from cuboid.parallel.styles import PlanError
 
 ACMode = Literal["full", "selective"]
@@ -223,16 +223,6 @@ def apply_compile(blocks: Sequence[tuple[str, nn.Module]]) -> None:
 
 
 Part = tuple[nn.Module, Sequence[tuple[str, nn.Module]]]  # (root, its blocks): a model, or a pipeline stage
-
-
-@dataclass(frozen=True)
-class ExpertsLayout:
-    """Where the experts of MoE layers go: split over ``ep_mesh``, FSDP over ``fsdp_mesh`` (the ranks holding the
-    same experts), their gradients divided by ``dp`` (every data-parallel rank's tokens reach them)."""
-
-    ep_mesh: DeviceMesh
-    fsdp_mesh: DeviceMesh
-    dp: int
 
 
 def moe_layers(blocks: Sequence[tuple[str, nn.Module]], ep: int) -> list[nn.Module]:

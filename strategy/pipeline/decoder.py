@@ -180,9 +180,9 @@ class _FixedOutput(nn.Module):
     """Stands in for the base model inside the outer model's forward: returns what the stage's base model already
     returned (its own output type: an MoE model's carries ``router_logits``, which its outer forward reads)."""
 
-    def __init__(self, output: Any) -> None:
+    def __init__(self, output: Any, composite: bool = False) -> None:
         super().__init__()
-        self.output = output
+        self.output, self.composite = output, composite
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.composite:  # the language model's output, read as the composite model's (its image outputs: None)
@@ -211,8 +211,7 @@ class _Outputs:
 @contextmanager
 def _base_replaced(stage: nn.Module, base: str, output: Any, composite: bool = False) -> Iterator[None]:
     real = stage._modules[base]
-    stage._modules[base] = _FixedOutput(output)
-    stage._modules[base].composite = composite
+    stage._modules[base] = _FixedOutput(output, composite)
     try:
         yield
     finally:

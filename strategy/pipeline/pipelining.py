@@ -28,8 +28,8 @@ class Pipelining:
     """The pipeline of a CuboidStrategy (``pp`` stages; inactive when ``pp == 1``).
 
     Args: ``dims``, the run's degrees (``dims.pp`` stages); then as CuboidStrategy's ``pipeline_schedule``,
-    ``microbatches``, ``virtual_stages``, ``pipeline_split``; ``reshard_after_forward`` and
-    ``activation_checkpointing`` are checked against the schedule, and :attr:`reshard_after_forward` holds the resolved default.
+    ``microbatches``, ``virtual_stages``, ``pipeline_split``; ``reshard_after_forward``, the build's (its default
+    resolved by :class:`~cuboid.parallel.BuildSettings`), checked against the schedule.
     """
 
     def __init__(
@@ -39,8 +39,7 @@ class Pipelining:
         microbatches: int | None = None,
         virtual_stages: int | None = None,
         split: Sequence[int] | None = None,
-        reshard_after_forward: bool | int | None = None,
-        activation_checkpointing: str | None = None,  # TODO(61): no longer checked here; the strategy drops it
+        reshard_after_forward: bool | int = False,  # (what a build resolves under pp > 1 unless asked otherwise)
     ) -> None:
         pp = dims.pp  # read from the run's one record of its degrees (ParallelDims, or a Layout)
         if virtual_stages is None:
@@ -50,11 +49,7 @@ class Pipelining:
         if pp > 1:
             pipeline.check_schedule(schedule, pp, microbatches, virtual_stages)
         zero_bubble = pp > 1 and schedule in pipeline.ZERO_BUBBLE
-        if reshard_after_forward is None:
-            # Under pp each block runs forward for every microbatch before its backward: resharding after forward
-            # would re-gather it once per microbatch. Keep it gathered (torchtitan: reshard_after_forward = not pp).
-            reshard_after_forward = pp == 1
-        elif zero_bubble and reshard_after_forward is not False:
+        if zero_bubble and reshard_after_forward is not False:
             raise pipeline.PipelineError(
                 f"pipeline_schedule={schedule!r} splits backward into input and weight passes, which needs "
                 f"each block's parameters kept gathered between forward and backward: use reshard_after_forward=False "
@@ -62,7 +57,6 @@ class Pipelining:
             )
         self.dims, self.schedule, self.microbatches, self.virtual_stages = dims, schedule, microbatches, virtual_stages
         self.split = list(split) if split is not None else None
-        self.reshard_after_forward = reshard_after_forward
         self.runner: PipelineRunner | None = None
         self._owner = ""
         self._shape: DecoderShape | None = None  # a Hugging Face decoder's cut; None for Cuboid's contract
@@ -117,7 +111,11 @@ class Pipelining:
         self._owner, self._shape, self._carries_aux = split.owner, split.shape, split.carries_aux
         return list(zip(my_stages, stage_modules, strict=True))
 
-    def build_schedule(self, stage_modules: list[tuple[int, nn.Module]], mesh: Any, device: torch.device) -> None:
+    def build_schedule(
+        self, stage_modules: list[tuple[int, nn.Module]], mesh: Any, device: torch.device, context: Any = None
+    ) -> None:
+        """The schedule over this rank's stages; ``context``: context parallel's runtime, which cuts each sequence
+        of the schedule's inputs where cp > 1."""
         from torch.distributed.pipelining import PipelineStage
 
         pp_group = mesh["pp"].get_group()
@@ -136,6 +134,7 @@ class Pipelining:
             host_group,
             self._shape,
             self._carries_aux,
+            context,
         )
         if self._tied_names:
             self._tied_group = self._first_last_group(mesh, pp_group)

@@ -104,6 +104,7 @@ class PipelineRunner:
         host_group: dist.ProcessGroup | None = None,
         shape: decoder.DecoderShape | None = None,
         carries_aux: bool = False,
+        context: Any = None,
     ) -> None:
         self.stages, self.microbatches, self.owner_name = stages, microbatches, owner_name
         self.pp_group, self.last_stage_rank = pp_group, last_stage_rank
@@ -118,7 +119,8 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in stages)
         self._checked: set[str] = set()  # hooks whose first step checked that the model is called as it must be
         self.has_last = any(s.is_last for s in stages)
-        self.context: Any = None  # a cuboid.context.ContextParallel when cp > 1: it cuts each sequence
+        # context parallel's runtime where cp > 1 (a cuboid.context.ContextParallel): it cuts each sequence
+        self.context = context if getattr(context, "enabled", False) else None
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._step_loss is not None

@@ -189,10 +189,16 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
 def test_checkpoints_move_between_ep2_and_ep1(name: str, saved: str, results) -> None:
     """A checkpoint saved at ep2 (each rank its experts) resumes at ep1 (plain FSDP) and the reverse: the resumed
     steps equal the uninterrupted reference's."""
+    from cuboid.checkpoint.export import _read_meta
+
     ref = third_party.reference_run("hf_qwen3_moe", dp=2, max_norm=QWEN["clip"])
     assert parity_errors(results[saved], ref, slice(0, 7))[0] <= LOSS_RTOL
     rel, err = parity_errors(results[name], ref, slice(6, None))
     assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, rel, err)
+    # the layout the checkpoint records: every degree, ep included
+    meta = _read_meta(results.out / saved.removesuffix("-save") / "step=6.ckpt")
+    ep = 2 if saved == "ep2-save" else 1
+    assert meta["cuboid"]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": ep}
 
 
 @pytest.mark.slow

@@ -39,4 +39,4 @@ def test_lightning_cli_takes_strategy_cuboid_by_name() -> None:
     args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=cuboid", "--trainer.logger=false"]
     cli = LightningCLI(Regressor, Data, run=False, args=args)
     assert isinstance(cli.trainer.strategy, CuboidStrategy)
-    assert cli.trainer.strategy._replicate_if_it_fits  # the default layout: chosen by the model's size at setup
+    assert cli.trainer.strategy.settings.replicate_if_it_fits  # the default layout: chosen by the model's size at setup
