@@ -11,7 +11,9 @@ This module holds the names most users import. Each part of Cuboid (``cuboid.par
 """
 
 # ruff: noqa: E402  (install() runs before the first module that imports Lightning)
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from cuboid.packages import install
 
@@ -50,6 +52,16 @@ __all__ = [
     "latest_checkpoint",
     "read_model_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``cuboid.models`` (the reference models, which the library itself never imports) is imported when first
+    asked for, as ``import cuboid.models`` would."""
+    if name == "models":
+        return importlib.import_module(f"{__name__}.models")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 try:
     __version__ = version("cuboid")  # the installed distribution's, wheel or editable
 except PackageNotFoundError:  # the source tree imported without an install

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from cuboid import compat
 from cuboid.parallel import (
+    BuildSettings,
     Layout,
     LayoutError,
     ParallelDims,
@@ -89,7 +90,7 @@ def dry_run(
         matched = resolve_plan(lm, tensor_parallel_plan, layout.tp)
         blocks = find_blocks(lm, None)
         experts = dims.experts
-        settings = ParallelSettings.on(dims.mesh, mp_policy=MixedPrecisionPolicy(), experts=experts)
+        settings = ParallelSettings.on(dims.mesh, BuildSettings(layout=layout), MixedPrecisionPolicy(), experts)
         parallelize_plain(lm, blocks, matched, settings)
         local = [p.to_local() if isinstance(p, DTensor) else p for p in lm.parameters()]
         assert all(t.is_meta for t in local), "dry_run allocated a tensor"
