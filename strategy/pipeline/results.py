@@ -78,15 +78,18 @@ class StepResults:
 
 
 def join(parts: list[Any]) -> Any:
-    """Microbatches' outputs as one batch's: tensors joined along their first dimension (0-d ones stacked), dicts,
-    lists and tuples of the same keys or length joined place by place, anything else listed per microbatch."""
+    """Microbatches' outputs as one batch's: tensors joined along their first dimension (0-d ones stacked), lists
+    concatenated (their items are the batch's samples, in order), dicts and tuples of the same keys or length joined
+    place by place, anything else listed per microbatch."""
     first = parts[0]
     if all(isinstance(p, Tensor) for p in parts):
         return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if all(type(p) is list for p in parts):
+        return [item for p in parts for item in p]
     if isinstance(first, dict) and all(isinstance(p, dict) and p.keys() == first.keys() for p in parts):
         joined = {k: join([p[k] for p in parts]) for k in first}
         return type(first)(**joined) if is_dataclass(first) else type(first)(joined)  # (transformers' outputs)
-    if isinstance(first, list | tuple) and all(type(p) is type(first) and len(p) == len(first) for p in parts):
+    if isinstance(first, tuple) and all(type(p) is type(first) and len(p) == len(first) for p in parts):
         joined = [join(list(column)) for column in zip(*parts, strict=True)]
         return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
     return list(parts)

@@ -196,6 +196,22 @@ def test_validation_under_pipeline_gives_the_single_process_value(results, refer
         assert abs(facts["val_loss"] - expected) / expected <= LOSS_RTOL, (facts["val_loss"], expected)
 
 
+def test_predictions_of_microbatches_join_into_the_batchs() -> None:
+    """What predict_step returns per microbatch, as one batch's: tensors along the batch, lists (one item per
+    sample) concatenated, dicts, tuples and transformers' outputs place by place, anything else listed."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from cuboid.pipeline.results import join
+
+    one, two = torch.arange(4.0).reshape(2, 2), torch.arange(4.0, 6.0).reshape(1, 2)
+    got = join([{"logits": one, "ids": ["a", "b"], "pair": (one, 1)}, {"logits": two, "ids": ["c"], "pair": (two, 2)}])
+    assert torch.equal(got["logits"], torch.arange(6.0).reshape(3, 2)) and got["ids"] == ["a", "b", "c"]
+    assert torch.equal(got["pair"][0], got["logits"]) and got["pair"][1] == [1, 2]
+    out = join([CausalLMOutputWithPast(logits=one), CausalLMOutputWithPast(logits=two)])
+    assert isinstance(out, CausalLMOutputWithPast) and out.logits.shape == (3, 2) and out.loss is None
+    assert torch.equal(join([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
+
+
 @pytest.mark.parametrize("name", ["hf_llama-pp2", "hf_qwen3-pp2xtp2"])
 def test_predict_under_pipeline_gives_every_rank_the_models_predictions(name: str, results) -> None:
     """trainer.predict after fit: every rank (both stages, both tp ranks) returns, batch after batch, the logits one
