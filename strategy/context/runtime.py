@@ -162,8 +162,17 @@ class ContextParallel:
         self._key_padding = None if self._transformers else mask
         self.padding = mask
         for name, value in values.items():
-            if name != "labels" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (batch, seq_len):
+            if name == "labels" or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape[:2]) == (batch, seq_len):
                 changed[name] = value.index_select(1, positions)
+            elif name == self.positions_keyword:  # multimodal rotary positions, (sections, batch, seq): Qwen2-VL's
+                if tuple(value.shape[-2:]) != (batch, seq_len):
+                    raise ContextParallelError(
+                        f"context_parallel={self.size} cannot split {name} of shape {tuple(value.shape)}: positions "
+                        f"are cut with the ({batch}, {seq_len}) sequence, as (batch, seq) or (..., batch, seq)."
+                    )
+                changed[name] = value.index_select(-1, positions)
         if self.positions_keyword not in changed:
             changed[self.positions_keyword] = positions.unsqueeze(0).expand(batch, -1)
         for name, value in changed.items():
@@ -171,7 +180,11 @@ class ContextParallel:
                 named[name] = value
             else:
                 named.setdefault(var_keyword, {})[name] = value
-        return bound.args, bound.kwargs
+        kinds = {p.kind for p in signature.parameters.values()}
+        if kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}:
+            return bound.args, bound.kwargs
+        # By keyword: a decorator around a transformers forward may fill a keyword it does not find (use_cache)
+        return (), {**{k: v for k, v in named.items() if k != var_keyword}, **named.get(var_keyword, {})}
 
     def local_padding(self, mask: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole ``(batch, seq)`` padding mask, in the order its rows run."""

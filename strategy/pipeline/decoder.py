@@ -154,6 +154,12 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
         pre = [f"{base_path}.{n}" for n in parts if n != text_attr and _has_params(composite._modules[n])] + pre
         text_args = set(inspect.signature(type(base).forward).parameters)
         first_only = [n for n in inspect.signature(type(composite).forward).parameters if n not in text_args]
+        if callable(getattr(composite, "get_rope_index", None)):  # Qwen2-VL's family: positions from the images
+            raise DecoderSplitError(
+                f"{type(composite).__name__} computes its language model's positions itself (multimodal rotary "
+                "positions, from each image's grid), which its language model alone (a later stage) cannot rebuild. "
+                "Not supported under pipeline_parallel yet; data, tensor and context parallel take it."
+            )
         if "token_type_ids" in first_only:  # Gemma 3, PaliGemma: a mask built from them, in every layer
             raise DecoderSplitError(
                 f"{type(composite).__name__}.forward takes token_type_ids: its image tokens attend to each other both "

@@ -176,3 +176,35 @@ def test_every_config_of_a_transformers_model_uses_cuboids_attention(name: str, 
     padding mask on every stage and microbatch (a host sync on a GPU) that the attention then ignored."""
     for facts in results[name]["ranks"]:
         assert facts["attn_implementations"] == ["cuboid_cp"], facts["attn_implementations"]
+
+
+def test_a_language_models_inputs_are_cut_with_their_multimodal_positions() -> None:
+    """What the hook on a composite model's language model does with its call (one process, no group): the
+    sequence's tensors and (sections, batch, seq) multimodal rotary positions (Qwen2-VL's, computed from each
+    image's grid) are cut to this rank's tokens, and every argument goes by keyword (a decorator around a
+    transformers forward fills use_cache when it does not find it among the keywords)."""
+    import torch
+
+    from cuboid.context import ContextParallel
+    from cuboid.context.attention import local_positions
+    from cuboid.context.current import running
+    from cuboid.parallel import Layout
+
+    class TextModel(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,  # noqa: ANN001, ANN202
+                    use_cache=None, **kwargs):  # noqa: ANN001, ANN003  # fmt: skip
+            return inputs_embeds
+
+    cp = ContextParallel(Layout(cp=2))
+    cp.rank = 1
+    embeds, positions = torch.randn(2, 8, 4), torch.arange(8).expand(3, 2, 8) * 10
+    with running(cp):
+        args, kwargs = cp._shard_inputs(TextModel(), (), {"inputs_embeds": embeds, "position_ids": positions,
+                                                           "use_cache": False})  # fmt: skip
+    mine = local_positions(8, 1, 2, embeds.device)
+    assert args == () and kwargs["use_cache"] is False
+    assert torch.equal(kwargs["inputs_embeds"], embeds[:, mine]) and torch.equal(
+        kwargs["position_ids"], positions[..., mine]
+    )
+    with running(cp), pytest.raises(Exception, match=r"cannot split position_ids of shape \(3, 2, 7\)"):
+        cp._shard_inputs(TextModel(), (), {"inputs_embeds": embeds, "position_ids": positions[..., :7]})

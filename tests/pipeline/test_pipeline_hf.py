@@ -412,6 +412,23 @@ def test_what_the_forward_does_around_its_blocks_runs_once(family: str) -> None:
         assert model.model.embedding_multiplier == 12.0
 
 
+def test_a_composite_model_that_computes_its_positions_from_the_images_is_refused() -> None:
+    """Qwen2-VL computes its language model's multimodal rotary positions from each image's grid inside its composite
+    forward: a later stage, the language model alone, could not rebuild them (cp and tp take it)."""
+    import transformers
+
+    from cuboid.parallel.plans import find_blocks
+    from cuboid.pipeline.stages import PipelineError, find_pipeline_split
+
+    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2}
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}}  # fmt: skip
+    config = transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=63)
+    lm = _lm(transformers.Qwen2VLForConditionalGeneration(config))
+    with pytest.raises(PipelineError, match="Qwen2VLModel computes its language model's positions itself"):
+        find_pipeline_split(lm, find_blocks(lm))
+
+
 def test_a_step_whose_keyword_tensors_cannot_be_split_is_refused() -> None:
     from cuboid.pipeline import decoder, decoder_call
 
