@@ -96,10 +96,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         cpu_offload: Sharded parameters, gradients and optimizer state in host memory (accelerators only).
         compile: ``torch.compile`` each block (in place, parameter names unchanged).
         async_checkpoint: Write checkpoints in the background once the shards are in host memory.
-        checkpoint_format: ``"sharded"`` (a DCP directory, every rank its shards) or ``"full"`` (one Lightning
-            file gathered on rank 0, which ``torch.load`` and ``load_from_checkpoint`` read). Both resume on any
-            layout, whichever is set. Default: ``"full"`` for a replicated model, ``"sharded"`` otherwise
-            (``docs/checkpoints.md``).
+        checkpoint_format: ``"sharded"`` (a DCP directory, every rank its shards) or ``"full"`` (one Lightning file
+            gathered on rank 0, which ``torch.load`` and ``load_from_checkpoint`` read); both resume on any layout.
+            Default: ``"full"`` for a replicated model, ``"sharded"`` otherwise (``docs/checkpoints.md``).
         data_position: Where a mid-epoch resume starts: ``"exact"``, where the checkpoint was taken (on any dp
             degree for a loader Lightning deals with its ``DistributedSampler``; at the same degree for one that
             keeps per-rank state, another degree refused); ``"epoch"``, the interrupted epoch again from its start.
@@ -198,20 +197,19 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
         position = DataPosition(data_position)  # where a mid-epoch resume starts, checked here
         self.checkpointer = Checkpointer(checkpoint_format or "sharded", async_checkpoint, self.barrier, position)
-        peer_timeout = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
-        timeout = self.settings.timeout or default_pg_timeout
-        self.job_guard = JobGuard(preempt_on, peer_timeout, timeout, flight_recorder)
         config = FaultTolerance.of(fault_tolerance)
+        shared = config.lighthouse if config is not None else None  # replica groups share checkpoint directories
+        peer = float(os.environ.get("CUBOID_PEER_TIMEOUT", peer_timeout or 0))
+        timeout = self.settings.timeout or default_pg_timeout
+        self.job_guard = JobGuard(preempt_on, peer, timeout, flight_recorder, shared)
         self.replicas = ReplicaGroups(config, data_parallel_replicate) if config is not None else None
-        self.job_guard.shared_run = config.lighthouse if config is not None else None
         self.num_nodes = 1
         self.buffers = BufferBroadcast(broadcast_buffers)
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
-        # Check the layout in the launching process, before any child process or process group exists.
+        env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes  # before any child exists
         check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
         check_external_launch(env, nodes, procs)  # before root_device
         check_before_launch(env, nodes, procs, self.settings.cpu_offload, self.root_device)
@@ -363,8 +361,10 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp > 1 every rank of the pp group returns the last stage's predictions for the batch."""
-        return self._eval_step("predict_step", super().predict_step, args, kwargs)
+        if self.pipelining.enabled:  # every rank of the pp group returns the last stage's predictions
+            return self._eval_step("predict_step", super().predict_step, args, kwargs)
+        self.buffers.sync()
+        return super().predict_step(*args, **kwargs)
 
     def _eval_step(self, hook: str, step: Any, args: tuple, kwargs: dict) -> Any:
         if not self.pipelining.enabled:

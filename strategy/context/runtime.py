@@ -175,16 +175,16 @@ class ContextParallel:
                 changed[name] = value.index_select(-1, positions)
         if self.positions_keyword not in changed:
             changed[self.positions_keyword] = positions.unsqueeze(0).expand(batch, -1)
+        kinds = {p.kind for p in signature.parameters.values()}
+        if not kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}:
+            # By keyword: a decorator around a transformers forward may fill a keyword it does not find (use_cache)
+            return (), {**values, **changed}
         for name, value in changed.items():
             if name in signature.parameters and name != var_keyword:
                 named[name] = value
             else:
                 named.setdefault(var_keyword, {})[name] = value
-        kinds = {p.kind for p in signature.parameters.values()}
-        if kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}:
-            return bound.args, bound.kwargs
-        # By keyword: a decorator around a transformers forward may fill a keyword it does not find (use_cache)
-        return (), {**{k: v for k, v in named.items() if k != var_keyword}, **named.get(var_keyword, {})}
+        return bound.args, bound.kwargs
 
     def local_padding(self, mask: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole ``(batch, seq)`` padding mask, in the order its rows run."""

@@ -25,7 +25,12 @@ from cuboid.step import TpGradients
 
 class JobGuard:
     def __init__(
-        self, preempt_on: Sequence[str], peer_timeout: float, timeout: timedelta, flight_recorder: int
+        self,
+        preempt_on: Sequence[str],
+        peer_timeout: float,
+        timeout: timedelta,
+        flight_recorder: int,
+        shared_run: str | None = None,
     ) -> None:
         self.preempt_on = stopping.signal_numbers(preempt_on)
         self.peer_timeout, self.timeout = peer_timeout, timeout
@@ -33,7 +38,7 @@ class JobGuard:
             raise ValueError(f"flight_recorder={flight_recorder}: a number of entries >= 0 (0 turns it off).")
         self.flight_recorder = flight_recorder
         self.dump_dir: Path | None = None
-        self.shared_run: str | None = None  # fault-tolerant replica groups share checkpoint directories (RunLock)
+        self.shared_run = shared_run  # fault-tolerant replica groups share checkpoint directories (RunLock)
         self.host_group: Any = None  # a gloo group of every rank (made at setup): per-step host-only agreement
         self.mesh: Any = None  # the strategy's device mesh, handed to after_mesh
         self.watchdog: PeerWatchdog | None = None

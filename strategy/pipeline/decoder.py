@@ -130,7 +130,8 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
     base_order = _child_order(base, getattr(config, "base_model_pp_plan", None))
     at = base_order.index(attr)
     prefix = f"{text_path}." if text_path else ""
-    pre = [prefix + n for n in base_order[:at] if _has_params(base._modules[n])]
+    own_pre = [n for n in base_order[:at] if _has_params(base._modules[n])]
+    pre = [prefix + n for n in own_pre]
     post = [prefix + n for n in base_order[at + 1 :] if _has_params(base._modules[n])]
     if base_path:
         owner_order = _child_order(owner, getattr(type(owner), "_pp_plan", None))
@@ -166,7 +167,7 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
                 "ways in every layer, through a mask it builds from them, which its language model alone (a later "
                 "stage) cannot rebuild. Not supported under pipeline_parallel yet; data and tensor parallel take it."
             )
-    check_stage_forward(base, attr, type(base).__name__, [n for n in base_order[:at] if _has_params(base._modules[n])])
+    check_stage_forward(base, attr, type(base).__name__, own_pre)
     text = text_path if composite else ""
     return DecoderShape(base_path, container, pre, post, router_loss, text=text, first_only=first_only)
 
@@ -231,11 +232,12 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     parts so far beside the hidden states, and the microbatch's loss beside the logits."""
     info: _StageInfo = self.__dict__["_cuboid_stage"]
     base = self.get_submodule(info.base) if info.base else self
+    text = self.get_submodule(info.text) if info.text else base  # the model holding the blocks
     if info.text and not info.first:  # a composite model's later stage: its language model alone, no images
-        base = self.get_submodule(info.text)
+        base = text
         kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
-    blocks = getattr(self.get_submodule(info.text) if info.text else base, info.blocks)
+    blocks = getattr(text, info.blocks)
     with stage_edges(blocks, None if info.first else x, capture=not info.last) as edges:
         out = (
             type(base).forward(base, **inputs, use_cache=False, **kwargs)

@@ -213,6 +213,12 @@ class Pipelining:
         group, each of which holds the batch, as under pp1)."""
         assert self.runner is not None
         predict = hook == "predict_step"
+        if predict and self.runner.context is not None:
+            raise pipeline.PipelineError(
+                "trainer.predict with pipeline_parallel and context_parallel is not supported: each cp rank's last "
+                "stage holds only its share of every sequence. Predict with context_parallel=1 (a checkpoint loads "
+                "into any layout)."
+            )
         context = precision.predict_step_context() if predict else precision.val_step_context()
         with torch.no_grad(), context:
             return self.runner.run(lm, hook, batch, batch_idx, False, outputs=predict)
