@@ -471,3 +471,18 @@ def test_dry_run_counts_each_stage_of_a_transformers_model(results) -> None:
     ranks = results["hf_qwen3-pp2xtp2"]["ranks"]
     measured = [max(f["bytes"]["params"] for f in ranks if f["rank"] // 2 == pp) for pp in range(2)]
     assert report.per_pp_rank == measured, (report.per_pp_rank, measured)
+
+
+def test_predict_under_pipeline_and_context_parallel_is_refused() -> None:
+    """Under pp x cp each cp rank's last stage holds only its share of every sequence: trainer.predict is refused with
+    the reason (validation and test, which average a loss, run)."""
+    from types import SimpleNamespace
+
+    from cuboid.parallel import Layout
+    from cuboid.pipeline import Pipelining
+    from cuboid.pipeline.stages import PipelineError
+
+    pipelining = Pipelining(Layout(pp=2, cp=2))
+    pipelining.runner = SimpleNamespace(context=object())  # the runner of a pp x cp run: it holds cp's runtime
+    with pytest.raises(PipelineError, match="trainer.predict with pipeline_parallel and context_parallel"):
+        pipelining.eval_step(None, "predict_step", {}, 0, None, torch.device("cpu"))
