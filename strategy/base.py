@@ -311,6 +311,14 @@ class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = own_precision(plugin, CuboidPrecision)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """As Lightning's strategies pickle (its optimizer wrappers left out), and on every rank, before or after a
+        fit: the launcher, which holds the running job's child processes, is left out too (the next Trainer makes
+        its own); the process groups are left out by the collaborators holding them."""
+        state = super().__getstate__()
+        state["_launcher"] = None
+        return state
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -229,19 +229,17 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         )
         self.job_guard.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
         commit = self.replicas.commit if self.replicas is not None else None  # may a replica group's step commit?
-        tied = lambda: self.pipelining.counted_elsewhere  # noqa: E731  (the tied weights' ids, known once built)
+        tied = self.pipelining.tied_elsewhere  # ids known once built (a method, not a lambda: the plugin pickles)
         hooks = {"nonfinite": self.nonfinite, "deferred": self.deferred, "commit": commit, "counted_elsewhere": tied}
         self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED, **hooks)
-        assert self.lightning_module is not None
         compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         pending = ", the data-parallel ranks sharded or replicated by the model's size"
         pending *= self.settings.replicate_if_it_fits
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes{pending}")
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        """A timed-out collective named, every rank stopped; else the watchdog may name a dead rank (JobGuard)."""
-        self.job_guard.on_exception(exception)
+    def on_exception(self, exception: BaseException) -> None:  # a timed-out collective named, every rank stopped
+        self.job_guard.on_exception(exception)  # else the watchdog may name a dead rank (JobGuard)
 
     @property
     def preempted_to(self) -> Path | None:
@@ -251,17 +249,16 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     # ------------------------------------------------------------------ model setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         lm = self.lightning_module
-        assert lm is not None
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
         hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
         self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
-            self.fill_parallelized_by_user(lm, lm, {} if self._pretrained_loaded else self.settings.pretrained)
+            self.fill_parallelized_by_user(lm, lm, self._pretrained())
         elif self.settings.replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
             self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
@@ -287,6 +284,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             roots = [lm, *(stage.submod for stage in getattr(self.pipelining.runner, "stages", ()))]  # pp: stages too
             self.replicas.start(trainer, roots, self.checkpointer.position, self.distributed_sampler_kwargs)
 
+    def _pretrained(self) -> Mapping[str, Any]:  # the first fit's only: a later one keeps what it learned
+        return {} if self._pretrained_loaded else self.settings.pretrained
+
     def _device_capacity(self) -> float | None:
         return device_bytes(self.root_device, self.settings.cpu_offload)
 
@@ -305,14 +305,14 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         capacity = self._device_capacity()
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
             refuse_if_too_big(self.fit_estimate, self.layout, capacity, self.settings.dp_shard_auto)
-        mp_policy = self.precision_plugin.mixed_precision_policy
+        mp_policy, pretrained = self.precision_plugin.mixed_precision_policy, self._pretrained()
         if pipelined:  # this rank's stages, each parallelized by the pipeline, between the build's two halves
-            weights, settings = self.prepare_build(lm, mp_policy, self.settings.pretrained, restored, pipelined=True)
+            weights, settings = self.prepare_build(lm, mp_policy, pretrained, restored, pipelined=True)
             stages = self.pipelining.build_stages(lm, blocks, matched, settings, mesh)
             self.finish_build(lm, weights, blocks)
             self.pipelining.build_schedule(stages, mesh, self.root_device, self.context)
         else:
-            self.build_model(lm, blocks, matched, mp_policy, self.settings.pretrained, restored)
+            self.build_model(lm, blocks, matched, mp_policy, pretrained, restored)
         self.hook_step(lm, blocks, runner=self.pipelining.runner)  # under pp, the runner cuts the schedule's inputs
         self.describe_build(blocks, matched, f", {self.pipelining.describe()}" if pipelined else "")
 
@@ -387,6 +387,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.job_guard.after_teardown()
         if self.replicas is not None:
             self.replicas.close()
+        self.end_run()  # the model as Lightning's DDP leaves it: plain, on the CPU (cuboid.dropin.after_run)
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -395,6 +396,4 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Cuboid: FSDP2 x tensor parallel on a pp x dp x tp device mesh"
-        )
+        strategy_registry.register(cls.strategy_name, cls, description="Cuboid: FSDP2, tp, pp, cp and ep on one mesh")

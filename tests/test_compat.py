@@ -910,3 +910,48 @@ def test_transformers_renames_what_it_saves_as_cuboid_reads_it() -> None:
     assert set(got.values()) == set(saved) and set(got) <= set(llava.state_dict())
     llama = transformers.LlamaForCausalLM(text)
     assert saved_names(llama, ["model.layers.0.self_attn.q_proj.weight"]) == {}
+
+
+def test_fully_shard_undone_leaves_the_users_class_plain_parameters_and_no_fsdp_state() -> None:
+    """What ``compat.unshard_for_good`` takes away is what this torch's ``fully_shard`` installs (the names in
+    ``cuboid/compat/fsdp.py``): afterwards the module is its own class, pickles, has plain parameters with the
+    values it had (tied ones still tied), no FSDP hooks (``state_dict`` and ``forward`` leave it alone), no
+    ``register_fsdp_forward_method`` wrapper, and ``fully_shard`` takes it again."""
+    import pickle
+
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4))
+        model[1].weight = model[0].weight  # tied, within the root's unit
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        register_fsdp_forward_method(model, "extra_repr")
+        assert "extra_repr" in vars(model) and type(model).__name__ == "FSDPSequential"
+        model(torch.ones(2, 4)).sum().backward()
+        whole = compat.unshard_for_good(model, torch.device("cpu"))
+        assert len(whole) == 4  # the tied weight once, a bias, the last layer's two
+        assert type(model) is torch.nn.Sequential and type(model[2]) is torch.nn.Linear
+        assert not any(isinstance(m, FSDPModule) for m in model.modules())
+        assert "extra_repr" not in vars(model)
+        for m in (model, model[2]):
+            assert STATE_KEY not in vars(m) and REGISTRY_KEY not in vars(m) and m not in _module_state_mapping
+            assert not m._forward_pre_hooks and not m._forward_hooks and not m._state_dict_pre_hooks
+        assert model[1].weight is model[0].weight
+        state = model.state_dict()
+        assert all(type(v) is torch.Tensor for v in state.values())
+        assert state.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in state.items())
+        assert type(pickle.loads(pickle.dumps(model))) is torch.nn.Sequential
+        fully_shard(model, mesh=mesh)  # the registry is clear: it shards again
+        assert isinstance(model, FSDPModule)
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -85,6 +85,10 @@ class Checkpointer:
         # one that verifies, with a warning; otherwise the load stops, naming the damaged files.
         self.fall_back_when_damaged = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without what belongs to the running processes: its gloo group and a pending background save."""
+        return {**vars(self), "_group": None, "_pending": None}
+
     def make_group(self) -> None:
         """The gloo process group checkpoints use when they need one (async saves; the full format on NCCL), made
         by every rank at setup: made lazily, a host-networking problem (a multi-NIC node) would show only at the

@@ -188,6 +188,16 @@ class _Unknown:
 UNKNOWN: Any = _Unknown()  # pending_checkpoint could not tell
 
 
+def give_back_signals(trainer: Any) -> None:
+    """Undo :func:`drop_sigterm_broadcast`, :func:`take_over_sigterm` and :func:`take_over_slurm_requeue_signal` on
+    ``trainer`` once a fit ends: Lightning's own methods again (and a trainer that pickles, as the functions set on
+    it are local ones)."""
+    for owner, name in ((trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"),
+                        (trainer._signal_connector, "_sigterm_notifier_fn"),
+                        (trainer._signal_connector, "_slurm_sigusr_handler_fn")):  # fmt: skip
+        vars(owner).pop(name, None)
+
+
 def pending_checkpoint(trainer: Any) -> Any:
     """The checkpoint the running ``fit``/``validate``/``test``/``predict`` of ``trainer`` will restore once the
     strategy is set up: a path, ``None`` when it restores none, or :data:`UNKNOWN` when this Lightning does not let
@@ -382,3 +392,6 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     start_dtensor_rng,
     unflatten_mesh,
 )
+
+# --- FSDP2 undone after a run: cuboid/compat/fsdp.py ---------------------------------------------------------------
+from cuboid.compat.fsdp import fsdp_units, unshard_for_good  # noqa: E402, F401

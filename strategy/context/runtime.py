@@ -76,6 +76,10 @@ class ContextParallel:
     def enabled(self) -> bool:
         return self.dims.cp > 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its process group (the running job's)."""
+        return {**vars(self), "group": None}
+
     def setup(
         self,
         lm: nn.Module,

@@ -7,9 +7,14 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import torch
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from cuboid import compat
+from cuboid.dropin.after_run import make_plain, refuse_pickling, stays_sharded
 from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
 
 
@@ -40,6 +45,39 @@ class Replicating:
         if precision.precision == "bf16-mixed":  # what FSDP2 casts under sharding, autocast does here
             precision.autocast_device = self.root_device.type  # type: ignore[attr-defined]
         return True
+
+    def end_run(self) -> None:
+        """At teardown, the model as Lightning's DDP leaves it (:mod:`cuboid.dropin.after_run`): DDP's wrapper
+        dropped, or FSDP2's undone when it sharded over the data-parallel ranks only and the run finished; the
+        plain module on the CPU, as ``Strategy.teardown`` moves it. A model that stays sharded refuses pickling."""
+        lm: Any = self.lightning_module  # type: ignore[attr-defined]
+        if lm is None:
+            return
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = lm  # DDPStrategy.teardown
+            compat.optimizers_to_device(self.optimizers, torch.device("cpu"))  # type: ignore[attr-defined]
+        elif any(True for _ in compat.fsdp_units(lm)):
+            reason = self._stays_sharded(lm)
+            if reason is not None:
+                refuse_pickling(lm, reason)
+                return
+            make_plain(lm, self.optimizers)  # type: ignore[attr-defined]
+            self.model = lm
+            rank_zero_info("Cuboid: the model is whole on every rank again after the run, as DDP leaves it (the next "
+                           "fit shards it anew)")  # fmt: skip
+        lm.cpu()
+
+    def _stays_sharded(self, lm: nn.Module) -> str | None:
+        trainer = getattr(lm, "_trainer", None)
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+            return "the run stopped on an error"  # a peer may be gone: no collective now
+        layout, settings = self.layout, self.settings  # type: ignore[attr-defined]
+        sizes = {"pipeline_parallel": layout.pp, "tensor_parallel": layout.tp, "context_parallel": layout.cp,
+                 "expert_parallel": layout.ep}  # fmt: skip
+        return stays_sharded(lm, sizes, self.num_processes,  # type: ignore[attr-defined]
+                             activation_checkpointing=settings.activation_checkpointing,
+                             cpu_offload=settings.cpu_offload,
+                             fault_tolerance=getattr(self, "replicas", None) is not None)  # fmt: skip
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none."""

@@ -179,6 +179,10 @@ class LoadBalancing:
             if found and plain:  # under pp each stage settles its own blocks (settle_block_losses)
                 model.register_forward_hook(lambda *_: self.settle_blocks() if active() is self else None)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its process groups (the running job's)."""
+        return {**vars(self), "groups": []}
+
     @contextmanager
     def step(self) -> Generator[None, None, None]:
         _ACTIVE.append(self)

@@ -50,6 +50,14 @@ class JobGuard:
         self.locks: list[RunLock] = []  # rank 0: the checkpoint directories this fit writes to
         self.preempted_to: Path | None = None  # the checkpoint a preemption signal made the last fit save
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What it was asked to do, pickled; what belongs to the running processes (process groups, the mesh, the
+        store, the watchdog's thread, the installed per-step checks, the directory locks) left out."""
+        state = dict(vars(self))
+        state.update(host_group=None, mesh=None, watchdog=None, stop=None, even=None, peers=None, tp_gradients=None,
+                     hang=None, locks=[])  # fmt: skip
+        return state
+
     # --- setup_environment
     def before_process_group(self, root_dir: str | Path, backend: str) -> None:
         if self.flight_recorder > 0:

@@ -112,6 +112,7 @@ class StopAgreement(L.Callback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        compat.give_back_signals(self.trainer)
         if self in self.trainer.callbacks:
             self.trainer.callbacks.remove(self)
 

@@ -13,7 +13,7 @@ missed: ``broadcast_buffers="all"`` sends every buffer at every step, as DDP doe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,10 @@ class BufferBroadcast:
         self._versions: list[list[int]] = []
         self._group: dist.ProcessGroup | None = None
         self._src = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its process group (the running job's)."""
+        return {**vars(self), "_group": None}
 
     def setup(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         """Watch the plain (not DTensor, not meta) buffers of ``module``'s submodules; ``group``'s first rank is the

@@ -68,6 +68,15 @@ class Pipelining:
         self._tied_group: Any = None
         self.counted_elsewhere: set[int] = set()  # ids of parameters the global gradient norm counts on another rank
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without what belongs to the running job: the runner (stages, schedule, their process groups)
+        and the group tied weights are summed over."""
+        return {**vars(self), "runner": None, "_tied_group": None}
+
+    def tied_elsewhere(self) -> set[int]:
+        """:attr:`counted_elsewhere`, asked when needed (it is known once the stages are built)."""
+        return self.counted_elsewhere
+
     @property
     def pp(self) -> int:
         """Pipeline stages (``pp``), from the run's degrees."""

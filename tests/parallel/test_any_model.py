@@ -19,8 +19,8 @@ PATTERNS = ("root_moduledict", "root_modulelist", "abc_lstm", "method_step")
 @ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("any_model")
-    specs = [{"name": f"{strategy}-{p}", "strategy": strategy, "module": p} for p in PATTERNS
-             for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
+    specs = [{"name": f"{strategy}-{p}", "strategy": strategy, "module": p, "fit_again": p == "method_step"}
+             for p in PATTERNS for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "patterns_worker.py", specs)
     return got
@@ -81,3 +81,44 @@ def test_its_best_checkpoint_reloads_as_ddp_era_code_reloads_it(pattern: str, re
         assert all(torch.allclose(d, torch.ones_like(d), atol=1e-6) for d in run["live_load"].values()), run[
             "live_load"
         ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+def test_the_strategy_and_the_trainer_pickle_on_every_rank(strategy: str, results) -> None:
+    """A library that pickles its forecaster, Trainer included, after fit (issue 72): the strategy pickles before
+    and after fit, and the Trainer after it, on every rank (Lightning's DDP fails on rank 0 after fit: its
+    launcher's child processes hold a lock; Cuboid's pickle leaves the launcher out, and the process groups)."""
+    for pattern in PATTERNS:
+        for rank, got in enumerate(results[f"{strategy}-{pattern}"]["pickles"]):
+            assert got == {"strategy_before": "CuboidStrategy", "strategy": "CuboidStrategy", "trainer": "Trainer"}, (
+                pattern, rank, got)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_after_fit_the_model_is_what_ddp_leaves(pattern: str, strategy: str, results) -> None:
+    """After fit a library calls the model's own methods, loads its ``state_dict()`` into a plain module and
+    pickles it (issue 66): on every rank the model is the user's class, whole on the CPU, as under DDP, sharded
+    or not, and each of those calls gives DDP's value."""
+    ddp, cuboid = results[f"ddp-{pattern}"]["after_fit"], results[f"{strategy}-{pattern}"]["after_fit"]
+    cls = {"root_moduledict": "RootModuleDict", "root_modulelist": "RootModuleList", "abc_lstm": "AbcLstm",
+           "method_step": "MethodStep"}[pattern]  # fmt: skip
+    expected = {"class": cls, "model_class": cls, "devices": ["cpu"], "kinds": ["Tensor"]}
+    assert {k: ddp[k] for k in expected} == expected, ddp
+    assert {k: cuboid[k] for k in expected} == expected, cuboid
+    for call in ("method", "predict_step", "plain_load", "unpickled"):
+        assert isinstance(cuboid[call], float), (call, cuboid[call])
+        assert abs(cuboid[call] - ddp[call]) <= LOSS_RTOL * abs(ddp[call]), (call, cuboid[call], ddp[call])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+def test_a_second_fit_trains_the_same_module_again(strategy: str, results) -> None:
+    """The module a fit left plain is set up anew by the next fit (sharded again under ``data_parallel_shard``):
+    its steps follow DDP's second fit."""
+    ddp, cuboid = results["ddp-method_step"]["again"], results[f"{strategy}-method_step"]["again"]
+    assert len(cuboid["losses"]) == len(ddp["losses"]) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(cuboid["losses"], ddp["losses"], strict=True)) <= LOSS_RTOL
+    assert max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items()) <= PARAM_ATOL

@@ -10,6 +10,7 @@ Rank 0 writes OUT_DIR/<name>.pt with the dp-mean loss per step and the final ful
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -134,6 +135,8 @@ def run(spec: dict, out_dir: Path) -> None:
     trainer.fit(module, loader, ckpt_path=spec.get("resume_from"))
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
+    pickled: list = [None] * world
+    dist.all_gather_object(pickled, _pickles(trainer.strategy))  # each rank's own try
     own = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
     shares: list = [None] * world
     dist.all_gather_object(shares, own)  # pipeline stages hold different parameters
@@ -145,10 +148,19 @@ def run(spec: dict, out_dir: Path) -> None:
                 "params": params,
                 "loaded": losses.loaded if spec.get("resume_from") else None,
                 "strategy": type(trainer.strategy).__name__,
+                "pickled": pickled,
             },
             out_dir / f"{spec['name']}.pt",
         )
     dist.barrier()
+
+
+def _pickles(obj: object) -> str:
+    """``obj`` through ``pickle`` and back: the class it came back as, or the error."""
+    try:
+        return type(pickle.loads(pickle.dumps(obj))).__name__
+    except Exception as err:  # noqa: BLE001  (what it gave is the result)
+        return f"{type(err).__name__}: {err}"
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import warnings
 from collections.abc import Callable
@@ -53,7 +54,8 @@ def run(spec: dict, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     cls = PATTERNS[spec["module"]]
     module = cls()
-    strategy = CuboidStrategy(data_parallel_shard="auto") if spec["strategy"] == "cuboid_sharded" else spec["strategy"]
+    strategy = _strategy(spec)
+    before = _pickles(strategy) if not isinstance(strategy, str) else None
     ckpt = ModelCheckpoint(dirpath=out / spec["name"], monitor="val_loss", save_top_k=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=2,
@@ -70,9 +72,21 @@ def run(spec: dict, out: Path) -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, module.step_losses)
+    pickled = {"strategy_before": before, "strategy": _pickles(trainer.strategy), "trainer": _pickles(trainer)}
+    pickles: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pickles, pickled)  # each rank's own try: a library may pickle on any of them
     final = whole(module)
     result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
-              "warnings": [str(w.message) for w in caught], "log": log}  # fmt: skip
+              "warnings": [str(w.message) for w in caught], "log": log, "pickles": pickles}  # fmt: skip
+    result["after_fit"] = _after_fit(cls, module, trainer)
+    if spec.get("fit_again"):  # the same module, a second fit: sharded anew where the first one sharded it
+        again = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(spec),
+                          max_epochs=1, limit_train_batches=4, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        module.step_losses.clear()
+        again.fit(module, DataLoader(data(), batch_size=4, shuffle=True))
+        result["again"] = {"losses": list(module.step_losses), "params": whole(module)}
+        final = whole(module)
     module.load_state_dict({k: v + 1 for k, v in final.items()})  # whole tensors into the live model, every rank
     result["live_load"] = {k: v - final[k] for k, v in whole(module).items()}
     if dist.get_rank() == 0:  # as DDP-era code reloads its best weights
@@ -82,6 +96,48 @@ def run(spec: dict, out: Path) -> None:
         result["read_weights"] = _tried(lambda: read_model_weights(best))
         torch.save(result, out / f"{spec['name']}.pt")
     dist.barrier()
+
+
+def _strategy(spec: dict) -> CuboidStrategy | str:
+    kwargs = {"cuboid": {}, "cuboid_sharded": {"data_parallel_shard": "auto"}}.get(spec["strategy"])
+    return CuboidStrategy(**kwargs) if kwargs is not None else spec["strategy"]
+
+
+def _after_fit(cls: type, module: L.LightningModule, trainer: L.Trainer) -> dict:
+    """What a library does with the model once ``fit`` returns, on every rank: its class and where its weights
+    are, a method other than ``forward`` (``loss``), ``state_dict()`` into a plain module built anew, and the
+    module through ``pickle`` (each a loss on the same batch, or the error)."""
+    x, y = data(8)[:]
+    got: dict = {"class": type(module).__name__, "model_class": type(trainer.model).__name__,
+                 "devices": sorted({str(p.device) for p in module.parameters()}),
+                 "kinds": sorted({type(p.data).__name__ for p in module.parameters()})}  # fmt: skip
+    with torch.no_grad():
+        got["method"] = _tried_value(lambda: module.loss((x, y)))
+        got["predict_step"] = _tried_value(lambda: module.predict_step((x, y), 0).sum())  # one FSDP registered
+        got["plain_load"] = _tried_value(lambda: _loaded(cls, module.state_dict()).loss((x, y)))
+        got["unpickled"] = _tried_value(lambda: pickle.loads(pickle.dumps(module)).loss((x, y)))
+    return got
+
+
+def _loaded(cls: type, state: dict) -> L.LightningModule:
+    fresh = cls()
+    fresh.load_state_dict(state)
+    return fresh
+
+
+def _tried_value(call: Callable[[], torch.Tensor]) -> float | str:
+    try:
+        return float(call())
+    except Exception as err:  # noqa: BLE001  (what it gave is the result)
+        return f"{type(err).__name__}: {err}"
+
+
+def _pickles(obj: object) -> str:
+    """``obj`` through ``pickle`` and back: the class it came back as, or the error."""
+    try:
+        return type(pickle.loads(pickle.dumps(obj))).__name__
+    except Exception as err:  # noqa: BLE001  (what it gave is the result)
+        return f"{type(err).__name__}: {err}"
 
 
 def _tried(read: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | str:

@@ -1,0 +1,90 @@
+"""FSDP2 undone: a module ``fully_shard`` sharded made plain again, its whole weights on every rank.
+
+FSDP2 has no public inverse of ``fully_shard``. What it installs, and what :func:`unshard_for_good` takes away, read
+from torch 2.11-2.13's ``torch/distributed/fsdp/_fully_shard``:
+
+- the class swap: ``_fsdp_init.py`` (``_apply_to_module``... ``module.__class__ = new_cls``, a class ``FSDP<Name>``
+  made with bases ``(FSDPModule, cls)``): the class is set back to ``cls``;
+- the forward hooks: ``_fsdp_state.py`` ``FSDPState.init`` (``_pre_forward_hook_handle``,
+  ``_post_forward_hook_handle``, a ``RemovableHandle`` each, or one ``_MultiHandle`` for a group of modules);
+- the state-dict hooks: ``_fsdp_param_group.py`` ``_register_state_dict_hooks``
+  (``_module_to_pre_save_state_dict_hook_handle``, ``_module_to_pre_load_state_dict_hook_handle``, each a dict of
+  module -> handle) and ``_fsdp_param.py`` (``FSDPParam._post_load_hook_handle``);
+- the composable API's registry: ``torch/distributed/_composable/contract.py`` (``module.__dict__[STATE_KEY]``, keyed
+  by the ``fully_shard`` function, and ``module.__dict__[REGISTRY_KEY]["fully_shard"]``) and
+  ``torch/distributed/_composable_state.py`` (``_module_state_mapping``, module -> weak reference to the state);
+- ``register_fsdp_forward_method``: ``_fully_shard.py``, an instance attribute holding a bound
+  ``register_fsdp_forward_method.<locals>.wrapped_method`` (its code's qualified name: ``functools.wraps`` gives
+  the function the wrapped method's).
+
+``tests/test_compat.py`` pins each of these names, so a torch that moves one fails there first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+_WRAPPED_METHOD = "register_fsdp_forward_method.<locals>.wrapped_method"
+
+
+def fsdp_units(root: nn.Module) -> list[nn.Module]:
+    """The modules under ``root`` (itself included) that ``fully_shard`` was applied to."""
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def unshard_for_good(root: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+    """Make every ``fully_shard`` unit under ``root`` a plain module of its own class again, each parameter whole
+    on ``device`` (a new ``nn.Parameter``, its ``requires_grad`` kept; tied parameters stay tied). A collective
+    over each parameter's mesh, in parameter order: every rank of the mesh calls it. Returns the new parameters by
+    the ``id`` of the ones they replace."""
+    units = fsdp_units(root)
+    for unit in units:
+        unit.reshard()  # the fp32 shards in place (no collective): never a mixed-precision gathered copy
+    whole: dict[int, nn.Parameter] = {}
+    for _, param in root.named_parameters(remove_duplicate=True):
+        data = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        whole[id(param)] = nn.Parameter(data.to(device).clone(), requires_grad=param.requires_grad)
+    for unit in units:
+        _drop_fsdp(unit)
+    for module in root.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in whole:
+                module._parameters[name] = whole[id(param)]
+    return whole
+
+
+def _drop_fsdp(unit: nn.Module) -> None:
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    handles = {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle) if h is not None}
+    for group in state._fsdp_param_groups:
+        for table in (
+            group._module_to_pre_save_state_dict_hook_handle,
+            group._module_to_pre_load_state_dict_hook_handle,
+        ):
+            handles.update((id(h), h) for h in table.values())
+            table.clear()
+        handles.update((id(p._post_load_hook_handle), p._post_load_hook_handle) for p in group.fsdp_params)
+    for handle in handles.values():
+        handle.remove()
+    for name, value in list(vars(unit).items()):
+        code = getattr(getattr(value, "__func__", None), "__code__", None)  # (functools.wraps renames the function)
+        if code is not None and code.co_qualname == _WRAPPED_METHOD:
+            del unit.__dict__[name]  # register_fsdp_forward_method's wrapper: the class's own method again
+    for key in (STATE_KEY, REGISTRY_KEY):
+        table: Any = unit.__dict__.get(key)
+        if isinstance(table, dict):
+            for entry in [k for k, v in table.items() if v is state or getattr(k, "__name__", k) == "fully_shard"]:
+                del table[entry]
+            if not table:
+                del unit.__dict__[key]
+    _module_state_mapping.pop(unit, None)
+    (plain,) = [base for base in type(unit).__bases__ if not issubclass(base, FSDPModule)]
+    unit.__class__ = plain
