@@ -255,7 +255,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         check_no_fsdp1(lm)
         self.checkpointer.guard_callbacks(trainer.callbacks)
         hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
-        self.checkpointer.refuse_checkpoint_io(self.checkpoint_io)  # what it cannot honour, refused by name
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, self._pretrained())
@@ -263,6 +262,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
             self._parallelize(lm, self._restored(trainer, lm))
+        self.checkpointer.use_checkpoint_io(self.checkpoint_io)  # a plugin: full files through it; else refused
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
         self.job_guard.extra_group(self.checkpointer.group)
@@ -298,6 +298,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         matched, self.loss_parallel.enabled = with_loss_parallel(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled
         if pipelined:  # positions in a Lightning optimizer state follow the whole model's order
+            self.pipelining.check_module(lm)
             self.checkpointer.model_order = [name for name, _ in lm.named_parameters()]
         lm = self.precision_plugin.convert_module(lm)
         blocks = find_blocks(lm, self.settings.block_container)

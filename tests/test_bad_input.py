@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.plugins import AsyncCheckpointIO, LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.plugins import AsyncCheckpointIO, LayerSync, TorchCheckpointIO, TorchSyncBatchNorm
 from torch import nn
 
 from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
@@ -26,6 +26,7 @@ from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
 from cuboid.fabric.optimizers import check_optimizer
 from cuboid.models import CausalLM, Llama, LlamaConfig
+from cuboid.packages.doors import check_door
 from cuboid.parallel import sync_batchnorm
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
@@ -582,6 +583,38 @@ def _experts_as_modules() -> list[nn.Module]:
     return moe_layers([("model.layers.0", block)], 2)
 
 
+class _MyCheckpointIO(TorchCheckpointIO):
+    pass
+
+
+class _ManualModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _pickle_kept_sharded() -> None:
+    """A model ``fully_shard`` sharded (here over one rank) that the run's end keeps sharded, then pickled."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cuboid.dropin.after_run import refuse_pickling
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
+        refuse_pickling(model, "tensor_parallel=2 split it otherwise than over the data-parallel ranks")
+        pickle.dumps(model)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 CASES.update(
     {
         "an expert_parallel that does not divide the data-parallel shard": (
@@ -656,9 +689,17 @@ CASES.update(
             r"plugins=\[_MyLayerSync\(\)\]\): CuboidStrategy honours only Trainer\(sync_batchnorm=True\)",
         ),
         "a CheckpointIO plugin": (
-            lambda: Checkpointer.refuse_checkpoint_io(AsyncCheckpointIO()),
+            lambda: Checkpointer().use_checkpoint_io(AsyncCheckpointIO()),
             TypeError,
-            r"plugins=\[AsyncCheckpointIO\(...\)\]\): .* cannot use a CheckpointIO plugin. For saves in the background",
+            r"plugins=\[AsyncCheckpointIO\(...\)\]\): .* cannot use a CheckpointIO plugin for it. For saves in the "
+            r"background, set CuboidStrategy\(async_checkpoint=True\)",
+        ),
+        "a CheckpointIO plugin with the sharded format": (
+            lambda: Checkpointer("sharded").use_checkpoint_io(_MyCheckpointIO()),
+            TypeError,
+            r"plugins=\[_MyCheckpointIO\(...\)\]\): a CheckpointIO plugin writes each checkpoint as one file, and "
+            r"CuboidStrategy\(checkpoint_format='sharded'\) writes a directory .* Set "
+            r"CuboidStrategy\(checkpoint_format='full'\)",
         ),
         "an unknown broadcast_buffers mode": (
             lambda: _trainer(broadcast_buffers="some"),
@@ -674,6 +715,27 @@ CASES.update(
             lambda: FabricStrategy(weights_init="local", cpu_offload=True),
             ValueError,
             r"weights_init='local' with cpu_offload=True: .* Use weights_init='rank0'",
+        ),
+        "manual optimization under pipeline parallel": (
+            lambda: CuboidStrategy(pipeline_parallel=2).pipelining.check_module(_ManualModule()),
+            PipelineError,
+            r"_ManualModule optimizes by hand \(automatic_optimization=False\), and under pipeline_parallel=2 .* Use "
+            r"pipeline_parallel=1",
+        ),
+        "a CuboidStrategy of the other Lightning package": (
+            lambda: check_door("pytorch_lightning", "pytorch_lightning.Trainer", CuboidStrategy()),
+            TypeError,
+            r"pytorch_lightning.Trainer\(strategy=cuboid.CuboidStrategy\(...\)\): that CuboidStrategy is built for "
+            r"`lightning.pytorch`.* Pass cuboid.pytorch_lightning.CuboidStrategy\(...\) instead .* "
+            r"or strategy=\"cuboid\"",
+        ),
+        "pickling a model kept sharded after the run": (
+            _pickle_kept_sharded,
+            TypeError,
+            r"FSDPLinear cannot be pickled: CuboidStrategy keeps it sharded after the run \(tensor_parallel=2 split "
+            r"it .*\), each rank holding only its slices\. Save it with trainer.save_checkpoint\(path\) and read the "
+            r"whole weights with "
+            r"cuboid.read_model_weights\(path\)",
         ),
         "a Fabric checkpoint of two models": (
             lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),

@@ -142,8 +142,15 @@ def test_registered_whichever_package_comes_first_and_with_the_standalone_ones_a
         "t = pl.Trainer(strategy='cuboid', accelerator='cpu', devices=1, logger=False)\n"
         "print('strategy:', type(t.strategy).__module__)\n"
     )
+    check += (
+        "try:\n    pl.Trainer(strategy=cuboid.CuboidStrategy(), accelerator='cpu', devices=1)\n"
+        "except TypeError as err:\n    print('refused:', 'cuboid.pytorch_lightning.CuboidStrategy' in str(err))\n"
+    )  # the other package's twin, refused by the door guarded as pytorch_lightning came
     out = _run(then="import pytorch_lightning, lightning_fabric", check=check)
-    assert "package: lightning\nstrategy: cuboid.pytorch_lightning.strategy\nlightning imported: True" in out, out
+    assert (
+        "package: lightning\nstrategy: cuboid.pytorch_lightning.strategy\nrefused: True\nlightning imported: True"
+        in out
+    )
     alone = check + "assert cuboid.CuboidStrategy is cuboid.pytorch_lightning.CuboidStrategy\n"
     alone += "from cuboid.checkpoint import read_model_weights\nimport cuboid.pytorch_lightning.checkpoint as c\n"
     alone += "assert read_model_weights is c.read_model_weights\n"
@@ -158,3 +165,48 @@ def test_with_neither_package_the_import_names_both() -> None:
     assert "neither of its packages is installed: no `lightning` and no `pytorch_lightning`" in ran.stderr
     assert "pip install lightning" in ran.stderr
     assert installed() == ("lightning", "pytorch_lightning")
+
+
+def test_a_cuboid_strategy_of_the_other_package_is_refused_with_the_twin_named() -> None:
+    """``pl.Trainer(strategy=cuboid.CuboidStrategy())`` as the README's import suggests (issue 66): Cuboid's own
+    ``TypeError`` naming ``cuboid.pytorch_lightning.CuboidStrategy`` and ``strategy="cuboid"``, not the package's
+    "invalid strategy name"; and the other way round, and for Fabric's two packages. Each package's own twin and
+    its strategies of other kinds pass as before."""
+    cpl = importlib.import_module(MIRROR)
+    importlib.import_module(f"{MIRROR}.fabric")
+    importlib.import_module("cuboid.fabric")
+    wrong = {
+        pl.Trainer: (cuboid.CuboidStrategy, "cuboid.pytorch_lightning.CuboidStrategy(...)"),
+        L.Trainer: (cpl.CuboidStrategy, "cuboid.CuboidStrategy(...)"),
+        lightning_fabric.Fabric: (cuboid.fabric.CuboidStrategy, "cuboid.pytorch_lightning.fabric.CuboidStrategy(...)"),
+        LF.Fabric: (cpl.fabric.CuboidStrategy, "cuboid.fabric.CuboidStrategy(...)"),
+    }
+    for door, (kind, twin) in wrong.items():
+        with pytest.raises(TypeError) as refused:
+            door(strategy=kind(), accelerator="cpu", devices=1)
+        assert f"Pass {twin} instead" in str(refused.value) and 'strategy="cuboid"' in str(refused.value)
+    assert type(pl.Trainer(strategy=cpl.CuboidStrategy(), accelerator="cpu", devices=1, logger=False).strategy) is (
+        cpl.CuboidStrategy
+    )
+    assert (
+        type(pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, logger=False).strategy).__name__ == "DDPStrategy"
+    )
+
+
+def test_the_doors_cuboid_guards_are_the_connectors_their_trainers_build_by_keyword() -> None:
+    """The private names ``cuboid.packages.doors`` wraps: each package's ``_AcceleratorConnector`` and
+    ``_Connector``, built by the Trainer and Fabric with ``strategy=`` by keyword (what the guard reads)."""
+    import inspect
+
+    from cuboid.packages.doors import CONNECTORS
+
+    for name, (attribute, _, _) in CONNECTORS.items():
+        cls = getattr(importlib.import_module(name), attribute)
+        assert getattr(cls.__init__, "__cuboid_door__", False), name
+        assert "strategy" in inspect.signature(cls.__init__).parameters
+    for module in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        source = inspect.getsource(importlib.import_module(module).Trainer.__init__)
+        assert "_AcceleratorConnector(" in source and "strategy=strategy," in source
+    for module in ("lightning.fabric.fabric", "lightning_fabric.fabric"):
+        source = inspect.getsource(importlib.import_module(module).Fabric.__init__)
+        assert "_Connector(" in source and "strategy=strategy," in source

@@ -78,6 +78,7 @@ class Checkpointer:
         self.model_order: list[str] | None = None
         self._pending: Any = None
         self._group: dist.ProcessGroup | None = None
+        self.checkpoint_io: Any = None  # a user's CheckpointIO plugin, which full files go through (use_checkpoint_io)
         self._stager: Any = None
         self._deferred_removals: list[Path] = []
         self._barrier = barrier
@@ -177,6 +178,7 @@ class Checkpointer:
                 model_order=self.model_order,
                 storage_writer=self.storage_writer,
                 stager=self.stager if self.async_save else None,
+                checkpoint_io=self.checkpoint_io,
             )
         )
 
@@ -231,7 +233,8 @@ class Checkpointer:
         self, path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, weights_only: bool | None
     ) -> dict[str, Any]:
         fmt = next((reader for reader in READERS if reader.recognizes(path)), FORMATS["sharded"])
-        return fmt.load(LoadRequest(path, module, optimizers, strict, weights_only, self.model_order))
+        request = LoadRequest(path, module, optimizers, strict, weights_only, self.model_order, self.checkpoint_io)
+        return fmt.load(request)
 
     def _load_previous(
         self,
@@ -265,6 +268,8 @@ class Checkpointer:
         if rank() == 0:
             if not path.is_symlink() and _linked_from(path):
                 self._deferred_removals.append(path)
+            elif self.checkpoint_io is not None:  # the user's plugin removes what it wrote, as under DDP
+                self.checkpoint_io.remove_checkpoint(path)
             else:
                 remove_path(path)
 
@@ -276,20 +281,33 @@ class Checkpointer:
             if isinstance(callback, ModelCheckpoint) and callback.save_last == "link":
                 compat.route_link_checkpoint(callback, self.link)
 
-    @staticmethod
-    def refuse_checkpoint_io(checkpoint_io: Any) -> None:
-        """A ``CheckpointIO`` plugin (``Trainer(plugins=[...])``) would be ignored: Cuboid writes and reads its
-        checkpoints itself (every rank its own shards), so any other than Lightning's default is refused by name."""
+    def use_checkpoint_io(self, checkpoint_io: Any) -> None:
+        """A ``CheckpointIO`` plugin (``Trainer(plugins=[...])``, a library's own): with the full format, one file
+        on rank 0, written with its ``save_checkpoint``, read with its ``load_checkpoint`` and removed with its
+        ``remove_checkpoint``, as Lightning's DDP uses it; Lightning's default ``TorchCheckpointIO`` leaves Cuboid's
+        own atomic writes. Refused by name: a plugin with the sharded format (a directory of every rank's shards,
+        which a plugin's one file cannot hold), and ``AsyncCheckpointIO`` (Cuboid's own async saves do that)."""
         from lightning.fabric.plugins import TorchCheckpointIO
+        from lightning.pytorch.plugins import AsyncCheckpointIO
 
-        if type(checkpoint_io) is not TorchCheckpointIO:
-            name = type(checkpoint_io).__name__
-            hint = " For saves in the background, set CuboidStrategy(async_checkpoint=True)." if "Async" in name else ""
+        self.checkpoint_io = None
+        if checkpoint_io is None or type(checkpoint_io) is TorchCheckpointIO:
+            return
+        name = type(checkpoint_io).__name__
+        if isinstance(checkpoint_io, AsyncCheckpointIO):
             raise TypeError(
-                f"Trainer(plugins=[{name}(...)]): CuboidStrategy writes its checkpoints with "
-                f"torch.distributed.checkpoint (each rank its own shards) and cannot use a CheckpointIO plugin.{hint} "
-                "Remove the plugin; CuboidStrategy(checkpoint_format='full') writes one file instead."
+                f"Trainer(plugins=[{name}(...)]): CuboidStrategy writes its checkpoints in the background itself and "
+                "cannot use a CheckpointIO plugin for it. For saves in the background, set "
+                "CuboidStrategy(async_checkpoint=True); remove the plugin."
             )
+        if self.format != "full":
+            raise TypeError(
+                f"Trainer(plugins=[{name}(...)]): a CheckpointIO plugin writes each checkpoint as one file, and "
+                f"CuboidStrategy(checkpoint_format={self.format!r}) writes a directory of shards, every rank its own. "
+                f"Set CuboidStrategy(checkpoint_format='full'): one file, gathered on rank 0 and written with "
+                f"{name}.save_checkpoint (read with its load_checkpoint); or remove the plugin."
+            )
+        self.checkpoint_io = checkpoint_io
 
     def link(self, trainer: Any, filepath: str | os.PathLike, linkpath: str | os.PathLike) -> None:
         """Point ``linkpath`` at ``filepath`` once that save is complete, replacing the old link atomically."""

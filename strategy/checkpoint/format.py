@@ -55,6 +55,7 @@ class SaveRequest:
     model_order: Sequence[str] | None = None  # parameter names before a pipeline split
     storage_writer: Callable[[Path], Any] | None = None  # advanced: directory -> DCP StorageWriter
     stager: Any = None  # a DCP AsyncStager kept across async saves
+    checkpoint_io: Any = None  # a user's CheckpointIO plugin: a full file is written with its save_checkpoint
 
 
 @dataclass
@@ -67,6 +68,7 @@ class LoadRequest:
     strict: bool = True
     weights_only: bool | None = None  # for Lightning's pickled state: None means True
     model_order: Sequence[str] | None = None
+    checkpoint_io: Any = None  # a user's CheckpointIO plugin: a full file is read with its load_checkpoint
 
 
 class CheckpointReader(Protocol):

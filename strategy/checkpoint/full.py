@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from cuboid import compat
 from cuboid.checkpoint import lightning as lightning_format
 from cuboid.checkpoint.format import (
     CheckpointError,
@@ -70,6 +71,7 @@ def _save_full(
     group: dist.ProcessGroup | None,
     background: bool = False,
     model_order: Sequence[str] | None = None,
+    checkpoint_io: Any = None,
 ) -> threading.Thread | None:
     """Gather model and optimizer state to rank 0's host memory and write ``path`` (one file).
 
@@ -77,7 +79,10 @@ def _save_full(
     pipeline stages' shares travel to rank 0 through it as host tensors. With ``background``, rank
     0 writes the file in a thread (returned; join it before the next save), after the gather.
     ``model_order``: the model's parameter names before a pipeline split (``None`` without one).
+    ``checkpoint_io``: a user's CheckpointIO plugin, whose ``save_checkpoint`` writes the file instead.
     """
+    for unit in compat.fsdp_units(module):  # a unit left gathered after a forward (the root, under pp, a unit kept
+        unit.reshard()  # whole) holds its gathered parameters: its sharded ones, which the optimizers hold, again
     groups = lightning_format.optimizer_groups(module, optimizers, model_order)
     gathered = _gather_to_rank0(state_dicts(module, optimizers), mesh, group)
     rng = [None] * dist.get_world_size() if rank() == 0 else None
@@ -99,6 +104,9 @@ def _save_full(
     payload["cuboid"] = {**payload.get("cuboid", {}), "format": FORMAT, "rng": rng}
 
     def write() -> None:
+        if checkpoint_io is not None:  # as Lightning's strategies write it: rank 0, through the plugin
+            checkpoint_io.save_checkpoint(payload, str(path))
+            return
         if isinstance(path, RemotePath):  # one object, written whole by one PUT: no temporary name needed
             save_object(payload, path)
             return
@@ -191,15 +199,20 @@ def load_full(
     strict: bool = True,
     weights_only: bool | None = None,
     model_order: Sequence[str] | None = None,
+    checkpoint_io: Any = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint into the current layout (any pp x dp x tp, or one process).
 
     Reads Cuboid's full files and plain Lightning checkpoints (DDP, ModelParallelStrategy, FSDPStrategy):
     ``state_dict`` by the LightningModule's names, ``optimizer_states`` in ``torch.optim``'s format. Every
     rank memory-maps the file (pages are shared and read on demand) and copies out the slices it owns;
-    returns Lightning's state, without the tensors.
+    returns Lightning's state, without the tensors. ``checkpoint_io``: a user's CheckpointIO plugin, whose
+    ``load_checkpoint`` reads the file instead (every rank, as under Lightning's DDP).
     """
-    payload = load_pickled(path, weights_only, mmap=True)
+    if checkpoint_io is not None:
+        payload = checkpoint_io.load_checkpoint(str(path), weights_only=weights_only)
+    else:
+        payload = load_pickled(path, weights_only, mmap=True)
     if not isinstance(payload, dict) or not isinstance(payload.get("state_dict"), dict):
         raise CheckpointError(
             f"{path} is a file without a 'state_dict': not a Lightning checkpoint. Cuboid resumes its own sharded "
@@ -243,12 +256,13 @@ class FullFormat:
         # (gathered to rank 0 and written from there: no DCP staging, no storage writer)
         r = request
         return _save_full(
-            r.path, r.module, r.optimizers, r.lightning_state, r.mesh, r.group, r.background, r.model_order
-        )
+            r.path, r.module, r.optimizers, r.lightning_state, r.mesh, r.group, r.background, r.model_order,
+            r.checkpoint_io,
+        )  # fmt: skip
 
     def load(self, request: LoadRequest) -> dict[str, Any]:
         r = request
-        return load_full(r.path, r.module, r.optimizers, r.strict, r.weights_only, r.model_order)
+        return load_full(r.path, r.module, r.optimizers, r.strict, r.weights_only, r.model_order, r.checkpoint_io)
 
 
 class _MappedReader(StorageReader):

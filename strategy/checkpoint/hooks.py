@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -83,8 +84,9 @@ class CheckpointHooks:
         path, strict = to_path(self.broadcast(str(checkpoint_path))), self.lightning_module.strict_loading
         if weights_only is None:  # Lightning drops the user's for a strategy that restores after setup
             weights_only = compat.requested_weights_only()
-        dp = self._data_parallel()
-        return self.checkpointer.load(path, self._saved_module(), self.optimizers, strict, weights_only, dp)
+        dp, fitting = self._data_parallel(), self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []  # validate/test/predict restore the model alone, as Lightning
+        return self.checkpointer.load(path, self._saved_module(), optimizers, strict, weights_only, dp)
 
     def _data_parallel(self) -> tuple[int, int]:
         """This rank's data-parallel rank and the degree (what the checkpointer's data position is counted over)."""

@@ -47,11 +47,10 @@ _LOSSES: tuple[Callable[..., torch.Tensor], ...] = (F.cross_entropy, F.nll_loss)
 
 class ContextParallel:
     """The context-parallel side of one strategy: ``dims.cp`` ranks share every sequence (refused, by
-    :func:`_check_composes`, with what it does not compose with yet).
-
-    ``setup`` after the model is parallelized; ``step()`` around every training, validation and test step (and,
-    under pp, the schedule). Activation checkpointing's recompute in backward re-enters the forward's interception
-    by itself (:func:`cuboid.parallel.parallelize.apply_ac`)."""
+    :func:`_check_composes`, with what it does not compose with yet). ``setup`` after the model is parallelized;
+    ``step()`` around every training, validation and test step (and, under pp, the schedule). Activation
+    checkpointing's recompute re-enters the forward's interception itself (:func:`cuboid.parallel.parallelize.apply_ac`).
+    """
 
     def __init__(self, dims: Any, compile: bool = False, activation_checkpointing: str | None = None) -> None:
         _check_composes(dims.cp, compile, activation_checkpointing)
@@ -63,8 +62,7 @@ class ContextParallel:
         self._key_padding: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None  # the last forward's whole (batch, seq) padding mask, if any
         self._attention_seen = False  # set (never read) by attention: a compiled block gets no guard on it
-        self._checked = False
-        self._inside = False
+        self._checked = self._inside = False
         self._transformers = False  # a transformers model: the padding mask rides along as KEY_PADDING
 
     @property
@@ -76,8 +74,7 @@ class ContextParallel:
     def enabled(self) -> bool:
         return self.dims.cp > 1
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled without its process group (the running job's)."""
+    def __getstate__(self) -> dict[str, Any]:  # pickled without its process group (the running job's)
         return {**vars(self), "group": None}
 
     def setup(
@@ -310,15 +307,8 @@ class ContextParallel:
         assert self._seq is not None and self.group is not None
         batch, seq_len = self._seq
         local = seq_len // self.size
-        if (
-            logits.dim() == 2
-            and target.dim() == 1
-            and (logits.shape[0], target.shape[0])
-            == (
-                batch * local,
-                batch * seq_len,
-            )
-        ):
+        flat = (batch * local, batch * seq_len)
+        if logits.dim() == 2 and target.dim() == 1 and (logits.shape[0], target.shape[0]) == flat:
             full_target = target.view(batch, seq_len)
         elif logits.dim() == 3 and target.dim() == 2 and (logits.shape[0], logits.shape[2]) == (batch, local):
             full_target = target

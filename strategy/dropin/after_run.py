@@ -16,7 +16,6 @@ those is refused by name (:func:`refuse_pickling`), saying what to call instead.
 from __future__ import annotations
 
 import copyreg
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +59,8 @@ def make_plain(module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> None:
                 if entry is not None:
                     state[whole.get(id(param), param)] = {k: _whole(v) for k, v in entry.items()}
             group["params"] = [whole.get(id(p), p) for p in group["params"]]
-        optimizer.state = defaultdict(dict, state)
+        optimizer.state.clear()  # (a defaultdict, kept: the optimizer's own)
+        optimizer.state.update(state)
 
 
 def _whole(value: Any) -> Any:

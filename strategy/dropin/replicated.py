@@ -8,9 +8,10 @@ import gc
 from typing import Any
 
 import torch
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from cuboid import compat
@@ -61,7 +62,8 @@ class Replicating:
             if reason is not None:
                 refuse_pickling(lm, reason)
                 return
-            make_plain(lm, self.optimizers)  # type: ignore[attr-defined]
+            fitted = lm._trainer.state.fn == TrainerFn.FITTING  # the optimizers are this run's
+            make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
             self.model = lm
             rank_zero_info("Cuboid: the model is whole on every rank again after the run, as DDP leaves it (the next "
                            "fit shards it anew)")  # fmt: skip
@@ -79,9 +81,18 @@ class Replicating:
                              cpu_offload=settings.cpu_offload,
                              fault_tolerance=getattr(self, "replicas", None) is not None)  # fmt: skip
 
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Lightning's DDP's own (``DDPStrategy.pre_backward``): under manual optimization, a ``manual_backward``
+        inside DDP's forward first prepares DDP's reducer for it (else the next forward's bucket rebuild fails)."""
+        DDPStrategy.pre_backward(self, closure_loss)  # type: ignore[arg-type]
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none."""
+        """Under DDP, at the second batch (a backward done): stop looking for unused parameters if there are none
+        (not under manual optimization, where each of a step's backward passes may leave others unused)."""
         if self._unsharpened_steps is None:
+            return
+        if not getattr(self.lightning_module, "automatic_optimization", True):  # type: ignore[attr-defined]
+            self._unsharpened_steps = None
             return
         self._unsharpened_steps += 1
         if self._unsharpened_steps == 2:

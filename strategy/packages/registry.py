@@ -18,6 +18,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from cuboid.packages.doors import CONNECTORS, guard
+
 NAME = "cuboid"
 # registry module -> (its registry's attribute, the class a factory builds: module, attribute, description)
 REGISTRIES: dict[str, tuple[str, str, str, str]] = {
@@ -68,10 +70,12 @@ class _Then(importlib.abc.Loader):
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
-    """Registers Cuboid in a package's strategy registry right after that package's ``strategies`` module runs."""
+    """Registers Cuboid in a package's strategy registry right after that package's ``strategies`` module runs,
+    and guards its connector's door right after the connector's module runs (:mod:`cuboid.packages.doors`)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in REGISTRIES:
+        then = register if fullname in REGISTRIES else guard if fullname in CONNECTORS else None
+        if then is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -79,7 +83,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _Then(spec.loader, register)
+                    spec.loader = _Then(spec.loader, then)
                 return spec
         return None
 
@@ -91,3 +95,7 @@ def register_everywhere() -> None:
         module = sys.modules.get(name)
         if module is not None:
             register(module)
+    for name in CONNECTORS:  # and each package's door checks a Cuboid strategy's package (cuboid.packages.doors)
+        module = sys.modules.get(name)
+        if module is not None:
+            guard(module)

@@ -89,6 +89,17 @@ class Pipelining:
     def describe(self) -> str:
         return f"{self.schedule} over {self.pp} stages x {self.virtual_stages}"
 
+    def check_module(self, lm: nn.Module) -> None:
+        """Refuse, before anything is built, a LightningModule the schedule cannot run: one that optimizes by hand."""
+        if not getattr(lm, "automatic_optimization", True):
+            raise pipeline.PipelineError(
+                f"{type(lm).__name__} optimizes by hand (automatic_optimization=False), and under pipeline_parallel="
+                f"{self.pp} the pipeline schedule runs every microbatch's forward and backward itself: "
+                "manual_backward and the optimizer steps of a training_step have no place in it. Use "
+                "pipeline_parallel=1 (data, tensor and context parallel train it as written), or let Lightning "
+                "optimize (automatic_optimization=True)."
+            )
+
     def build_stages(
         self, lm: nn.Module, blocks: list, matched: dict, settings: ParallelSettings, mesh: Any
     ) -> list[tuple[int, nn.Module]]:

@@ -6,21 +6,30 @@ parity bound, and what setup kept whole, said."""
 
 from __future__ import annotations
 
+import sys
+
+import lightning as L
 import pytest
 import torch
 from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL
 
-PATTERNS = ("root_moduledict", "root_modulelist", "abc_lstm", "method_step")
+PATTERNS = ("root_moduledict", "root_modulelist", "abc_lstm", "method_step", "manual_gan")
 
 
 @pytest.fixture(scope="module")
 @ahead
 def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     out = tmp_path_factory.mktemp("any_model")
-    specs = [{"name": f"{strategy}-{p}", "strategy": strategy, "module": p, "fit_again": p == "method_step"}
+    # (DDP itself needs find_unused_parameters for the GAN: the generator takes no part in the discriminator's loss)
+    ddp = {"manual_gan": "ddp_find_unused_parameters_true"}
+    specs = [{"name": f"{strategy}-{p}", "strategy": ddp.get(p, "ddp") if strategy == "ddp" else strategy,
+              "module": p, "fit_again": p == "method_step"}
              for p in PATTERNS for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
+    specs += [{"name": f"{strategy}-plugin", "strategy": strategy, "module": "method_step", "plugin": True,
+               "kwargs": {"checkpoint_format": "full"} if strategy == "cuboid_sharded" else {}}
+              for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "patterns_worker.py", specs)
     return got
@@ -104,7 +113,7 @@ def test_after_fit_the_model_is_what_ddp_leaves(pattern: str, strategy: str, res
     or not, and each of those calls gives DDP's value."""
     ddp, cuboid = results[f"ddp-{pattern}"]["after_fit"], results[f"{strategy}-{pattern}"]["after_fit"]
     cls = {"root_moduledict": "RootModuleDict", "root_modulelist": "RootModuleList", "abc_lstm": "AbcLstm",
-           "method_step": "MethodStep"}[pattern]  # fmt: skip
+           "method_step": "MethodStep", "manual_gan": "ManualGan"}[pattern]  # fmt: skip
     expected = {"class": cls, "model_class": cls, "devices": ["cpu"], "kinds": ["Tensor"]}
     assert {k: ddp[k] for k in expected} == expected, ddp
     assert {k: cuboid[k] for k in expected} == expected, cuboid
@@ -122,3 +131,55 @@ def test_a_second_fit_trains_the_same_module_again(strategy: str, results) -> No
     assert len(cuboid["losses"]) == len(ddp["losses"]) == 4
     assert max(abs(a - b) / abs(b) for a, b in zip(cuboid["losses"], ddp["losses"], strict=True)) <= LOSS_RTOL
     assert max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items()) <= PARAM_ATOL
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The GAN in one process, the two ranks' batches as one: 8 samples a step in ``DistributedSampler``'s order
+    (the same permutation the two ranks deal, rank 0 every even position), the same seed and epochs."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sys.path.insert(0, str(WORKERS))
+    from patterns import ManualGan, data
+
+    L.seed_everything(0, verbose=False)
+    module = ManualGan()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=8, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)  # fmt: skip
+    sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(module, DataLoader(data(), batch_size=8, sampler=sampler))
+    return {"losses": module.step_losses, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "cuboid", "cuboid_sharded"])
+def test_manual_optimization_matches_one_process(strategy: str, results, one_process) -> None:
+    """Two optimizers, ``toggle_optimizer``, two ``manual_backward`` a step, accumulation and clipping by hand
+    (issue 66): at dp2, Lightning's DDP, Cuboid's replicated default (torch's DDP, its reducer prepared for each
+    ``manual_backward`` as Lightning's DDP does: without it the default's step 2 is already off and step 4 fails
+    in DDP's bucket rebuild) and FSDP2 each follow one process with the whole batch."""
+    got = results[f"{strategy}-manual_gan"]
+    steps = [(a + b) / 2 for a, b in zip(*got["losses"], strict=True)]  # each rank's batch mean, averaged
+    loss = max(abs(a - b) / abs(b) for a, b in zip(steps, one_process["losses"], strict=True))
+    params = max((got["params"][k] - v).abs().max().item() for k, v in one_process["params"].items())
+    print(f"manual_gan: {strategy} at dp2 vs one process: loss {loss:.1e}, params {params:.1e}")
+    assert len(steps) == 16 and loss <= LOSS_RTOL and params <= PARAM_ATOL, (loss, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+def test_a_librarys_checkpoint_io_plugin_is_used_as_ddp_uses_it(strategy: str, results) -> None:
+    """A library's own ``CheckpointIO`` plugin (darts passes one to every Trainer; issue 66): replicated by default,
+    and sharded with ``checkpoint_format="full"``, each save goes through its ``save_checkpoint`` on rank 0, the
+    removal of the worse checkpoint through its ``remove_checkpoint``, and ``validate(ckpt_path="best")`` reads
+    through its ``load_checkpoint`` on every rank: the calls DDP makes, the same files left, the same best weights
+    (the sharded format with a plugin is refused at setup: tests/test_bad_input.py)."""
+    ddp, cuboid = results["ddp-plugin"], results[f"{strategy}-plugin"]
+    saves = [("save", "epoch=0.ckpt"), ("save", "epoch=1.ckpt"), ("remove", "epoch=0.ckpt")]  # rank 0's
+    assert ddp["calls"] == [[*saves, ("load", "epoch=1.ckpt")], [("load", "epoch=1.ckpt")]], ddp["calls"]
+    assert cuboid["calls"] == ddp["calls"], (cuboid["calls"], ddp["calls"])
+    assert cuboid["files"] == ddp["files"] and cuboid["best"] == ddp["best"]
+    assert cuboid["best_state"].keys() == ddp["best_state"].keys()
+    assert all((cuboid["best_state"][k] - v).abs().max() <= PARAM_ATOL for k, v in ddp["best_state"].items())
+    assert cuboid["validated"][0]["val_loss"] == pytest.approx(ddp["validated"][0]["val_loss"], rel=LOSS_RTOL)

@@ -6,7 +6,11 @@ gluonts, darts), written with no thought of Cuboid: what ``fully_shard`` cannot 
 - ``root_modulelist``: a ``ModuleList`` of layers of different classes as a top-level child;
 - ``abc_lstm``: an ``nn.LSTM`` subclass with an ``ABC`` base first (pytorch-forecasting's ``LSTM(RNN, nn.LSTM)``,
   ``RNN(ABC, nn.RNNBase)``), whose class ``fully_shard`` cannot swap;
-- ``method_step``: a step that calls a method other than ``forward`` of its model (gluonts' ``self.model.loss(...)``).
+- ``method_step``: a step that calls a method other than ``forward`` of its model (gluonts' ``self.model.loss(...)``);
+- ``manual_gan``: manual optimization (``automatic_optimization = False``) with two optimizers, GAN-style:
+  ``toggle_optimizer``, ``manual_backward`` twice a step, gradients accumulated by hand over 2 batches and the
+  discriminator's clipped by hand (``self.clip_gradients``). Its noise is a function of each sample, so one process
+  with the whole batch computes what two data-parallel ranks do.
 
 Each regresses 8 features to 1 on the same random data.
 """
@@ -112,8 +116,59 @@ class MethodStep(_Regression):
         return self.model.loss(x, y)
 
 
+class ManualGan(_Regression):
+    ACCUMULATE = 2
+
+    def __init__(self, lr: float = 0.02) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, FEATURES))
+        self.disc = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.disc(x)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # the generator's
+        x, _ = batch
+        return F.softplus(-self.disc(self.gen(self._noise(x)))).mean()
+
+    @staticmethod
+    def _noise(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(3 * x[:, :4]) + 0.1 * x[:, 4:]
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        g_opt, d_opt = self.optimizers()
+        last = (batch_idx + 1) % self.ACCUMULATE == 0
+        self.toggle_optimizer(d_opt)
+        fake = self.gen(self._noise(x)).detach()
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(fake)).mean()
+        self.manual_backward(d_loss / self.ACCUMULATE)
+        if last:
+            self.clip_gradients(d_opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            d_opt.step()
+            d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+        self.toggle_optimizer(g_opt)
+        g_loss = self.loss(batch)
+        self.manual_backward(g_loss / self.ACCUMULATE)
+        if last:
+            g_opt.step()
+            g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.step_losses.append(float(d_loss) + float(g_loss))
+        self.log("train_loss", d_loss + g_loss, sync_dist=True)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.gen.parameters(), lr=self.hparams.lr),
+                torch.optim.Adam(self.disc.parameters(), lr=self.hparams.lr))  # fmt: skip
+
+
 PATTERNS = {"root_moduledict": RootModuleDict, "root_modulelist": RootModuleList, "abc_lstm": AbcLstm,
-            "method_step": MethodStep}  # fmt: skip
+            "method_step": MethodStep, "manual_gan": ManualGan}  # fmt: skip
 
 
 def data(n: int = 64) -> torch.utils.data.TensorDataset:

@@ -23,6 +23,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -100,7 +101,51 @@ def run(spec: dict, out: Path) -> None:
 
 def _strategy(spec: dict) -> CuboidStrategy | str:
     kwargs = {"cuboid": {}, "cuboid_sharded": {"data_parallel_shard": "auto"}}.get(spec["strategy"])
-    return CuboidStrategy(**kwargs) if kwargs is not None else spec["strategy"]
+    return CuboidStrategy(**kwargs, **spec.get("kwargs", {})) if kwargs is not None else spec["strategy"]
+
+
+class LoggedCheckpointIO(TorchCheckpointIO):
+    """A library's own CheckpointIO plugin (darts passes one to every Trainer): Lightning's, each call logged."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.calls.append(("save", Path(path).name))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        self.calls.append(("load", Path(path).name))
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    def remove_checkpoint(self, path) -> None:
+        self.calls.append(("remove", Path(path).name))
+        super().remove_checkpoint(path)
+
+
+def run_with_plugin(spec: dict, out: Path) -> None:
+    """Fit 2 epochs with a CheckpointIO plugin and ModelCheckpoint(save_top_k=1) (a save each epoch, the worse one
+    removed), then ``validate(ckpt_path="best")``: each rank's plugin calls, the best file's weights, the losses."""
+    L.seed_everything(0, verbose=False)
+    module = PATTERNS[spec["module"]]()
+    plugin = LoggedCheckpointIO()
+    ckpt = ModelCheckpoint(dirpath=out / spec["name"], monitor="val_loss", save_top_k=1, filename="{epoch}")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(spec), max_epochs=2,
+        limit_train_batches=8, callbacks=[ckpt], logger=False, enable_progress_bar=False, plugins=[plugin],
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out / spec["name"],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=4, shuffle=True), DataLoader(data(32), batch_size=4))
+    validated = trainer.validate(module, DataLoader(data(32), batch_size=4), ckpt_path="best", verbose=False)
+    calls: list = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, plugin.calls)
+    if dist.get_rank() == 0:
+        best = torch.load(ckpt.best_model_path, weights_only=False)
+        result = {"calls": calls, "best": Path(ckpt.best_model_path).name, "best_state": best["state_dict"],
+                  "files": sorted(p.name for p in (out / spec["name"]).glob("*.ckpt")), "validated": validated,
+                  "losses": module.step_losses}  # fmt: skip
+        torch.save(result, out / f"{spec['name']}.pt")
+    dist.barrier()
 
 
 def _after_fit(cls: type, module: L.LightningModule, trainer: L.Trainer) -> dict:
@@ -150,7 +195,7 @@ def _tried(read: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
 def main() -> None:
     out = Path(sys.argv[1])
     for spec in each_spec(sys.argv[2]):
-        run(spec, out)
+        (run_with_plugin if spec.get("plugin") else run)(spec, out)
 
 
 if __name__ == "__main__":
