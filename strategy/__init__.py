@@ -22,6 +22,7 @@ install()  # before any module that imports Lightning: the registries, and cuboi
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointDamaged, CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
+from cuboid.dropin.loaders import LoaderError
 from cuboid.experts import ExpertParallelError
 from cuboid.job import PeerBatchesDiffer, RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
@@ -31,6 +32,7 @@ from cuboid.step import CuboidPrecision, NonFiniteError
 from cuboid.strategy import CuboidStrategy
 
 __all__ = [
+    "LoaderError",
     "CheckpointDamaged",
     "CheckpointError",
     "CommLedger",

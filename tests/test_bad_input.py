@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.plugins import AsyncCheckpointIO, LayerSync, TorchCheckpointIO, TorchSyncBatchNorm
 from torch import nn
 
-from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, PlanError
+from cuboid import CuboidStrategy, ExpertParallelError, Layout, LayoutError, LoaderError, PlanError
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.context.attention import check_attention
@@ -615,8 +615,26 @@ def _pickle_kept_sharded() -> None:
             dist.destroy_process_group()
 
 
+def _library_sampler_over_the_world() -> None:
+    """A library's own ``DistributedSampler`` made for DDP over the world's 4 ranks, under a layout of tp2 x dp2."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from cuboid.dropin.loaders import check_sampler_ranks
+
+    data = TensorDataset(torch.zeros(8, 2))
+    loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=4, rank=3))
+    check_sampler_ranks(loader, 2, 1, False, "pp=1 x dp_replicate=1 x dp_shard=2 x tp=2")
+
+
 CASES.update(
     {
+        "a library's DistributedSampler over the world's ranks under tensor parallel": (
+            _library_sampler_over_the_world,
+            LoaderError,
+            r"DistributedSampler deals its samples over 4 replicas \(this process as replica 3\), but Cuboid's layout "
+            r"pp=1 x dp_replicate=1 x dp_shard=2 x tp=2 has 2 data-parallel ranks .* "
+            r"`\*\*trainer.strategy.distributed_sampler_kwargs` \(num_replicas=2, rank=1\)",
+        ),
         "an expert_parallel that does not divide the data-parallel shard": (
             lambda: CuboidStrategy(expert_parallel=3).layout.resolve(4),
             LayoutError,

@@ -955,3 +955,28 @@ def test_fully_shard_undone_leaves_the_users_class_plain_parameters_and_no_fsdp_
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_lightning_keeps_the_sampler_it_wraps_and_a_loader_can_turn_batching_off_again() -> None:
+    """What :func:`cuboid.compat.wrapped_sampler` and :func:`cuboid.compat.batch_per_sample` read and change:
+    Lightning's ``DistributedSamplerWrapper`` keeps the sampler it wraps in ``dataset._sampler``; a loader made with
+    batching on, turned off in place, yields exactly what ``DataLoader(..., batch_size=None)`` yields."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+    from cuboid import compat
+
+    data = TensorDataset(torch.arange(24.0).view(12, 2))
+    inner = BatchSampler(SequentialSampler(data), batch_size=3, drop_last=False)
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=1, shuffle=False)
+    rebuilt = DataLoader(data, sampler=wrapper)  # torch's default batch_size=1 around a batch-yielding sampler
+    assert compat.wrapped_sampler(rebuilt) == (wrapper, inner)
+    assert [b[0].shape for b in rebuilt] == [torch.Size([1, 3, 2])] * 2
+    compat.batch_per_sample(rebuilt)
+    wanted = DataLoader(data, sampler=wrapper, batch_size=None)
+    assert (rebuilt.batch_size, rebuilt.batch_sampler, rebuilt.sampler) == (None, None, wrapper)
+    got, expected = list(rebuilt), list(wanted)
+    assert len(got) == len(rebuilt) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(got, expected, strict=True))
+    assert got[0][0].tolist() == [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]  # rank 1's first batch: samples 3, 4, 5
+    with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+        rebuilt.batch_size = 4  # torch's guard is back up

@@ -14,6 +14,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.resume import restored_names
+from cuboid.dropin.loaders import check_sampler_ranks, keep_library_batches
 from cuboid.storage import to_path
 
 
@@ -114,6 +115,10 @@ class CheckpointHooks:
         seeded by the data-parallel rank under ``seed_everything(workers=True)``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         dp = self.distributed_sampler_kwargs
+        keep_library_batches(dataloader)  # a library's batch-yielding sampler, made again by Lightning
+        layout = self.layout  # type: ignore[attr-defined]
+        data_only = layout.tp * layout.cp * layout.pp == 1
+        check_sampler_ranks(dataloader, dp["num_replicas"], dp["rank"], data_only, layout.describe())
         compat.deal_over_data_parallel(dataloader, dp["num_replicas"], dp["rank"])
         replicas = getattr(self, "replicas", None)
         if replicas is not None and trainer is not None and trainer.training:

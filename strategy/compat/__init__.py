@@ -370,7 +370,12 @@ from cuboid.compat.attention import (  # noqa: E402, F401
 from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401
 
 # --- litdata's StreamingDataset, Lightning's seeding of DataLoader workers: cuboid/compat/data.py --------------------
-from cuboid.compat.data import deal_over_data_parallel, seed_workers_by_data_rank  # noqa: E402, F401
+from cuboid.compat.data import (  # noqa: E402, F401
+    batch_per_sample,
+    deal_over_data_parallel,
+    seed_workers_by_data_rank,
+    wrapped_sampler,
+)
 
 # --- torch.distributed: cuboid/compat/distributed.py -------------------------------------------------------------
 from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distributed half of this door)

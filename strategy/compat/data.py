@@ -61,3 +61,36 @@ def seed_workers_by_data_rank(dataloader: Any, data_rank: int) -> Any:
 
 
 _MISSING = object()
+
+
+def wrapped_sampler(dataloader: Any) -> tuple[Any, Any] | None:
+    """``(wrapper, the sampler it wraps)`` when Lightning put its ``DistributedSamplerWrapper`` into ``dataloader``
+    (in its ``sampler``, or in the sampler of a batch sampler that auto-collation built): Lightning keeps the
+    sampler it wrapped in the wrapper's ``dataset._sampler`` (lightning/fabric/utilities/distributed.py,
+    ``_DatasetSamplerWrapper``; checked on lightning 2.5.0 and 2.6.6, pinned in tests/test_compat.py)."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    for holder in (getattr(dataloader, "batch_sampler", None), dataloader):
+        wrapper = getattr(holder, "sampler", None)
+        if isinstance(wrapper, DistributedSamplerWrapper):
+            return wrapper, getattr(wrapper.dataset, "_sampler", None)
+    return None
+
+
+def batch_per_sample(dataloader: Any) -> None:
+    """Turn ``dataloader``'s automatic batching off in place: each element its sampler yields is one batch, as
+    ``DataLoader(..., batch_size=None)`` builds it (no batch sampler; ``default_convert`` in place of
+    ``default_collate`` unless the loader has its own ``collate_fn``). torch refuses these attributes once a
+    loader is made (``DataLoader.__setattr__`` while ``_DataLoader__initialized``; torch 2.13
+    torch/utils/data/dataloader.py), and a library's loader class cannot always be made again with them (its
+    ``__init__`` decides them): the flag is lowered for the change and raised again. Pinned in tests/test_compat.py."""
+    from torch.utils.data._utils.collate import default_collate, default_convert
+
+    collate = default_convert if dataloader.collate_fn is default_collate else dataloader.collate_fn
+    sampler = dataloader.batch_sampler.sampler
+    object.__setattr__(dataloader, "_DataLoader__initialized", False)
+    try:
+        dataloader.batch_size, dataloader.batch_sampler, dataloader.drop_last = None, None, False
+        dataloader.sampler, dataloader.collate_fn = sampler, collate
+    finally:
+        object.__setattr__(dataloader, "_DataLoader__initialized", True)

@@ -5,6 +5,7 @@ search for unused parameters once the first step has shown there are none."""
 from __future__ import annotations
 
 import gc
+import itertools
 from typing import Any
 
 import torch
@@ -67,7 +68,8 @@ class Replicating:
             self.model = lm
             rank_zero_info("Cuboid: the model is whole on every rank again after the run, as DDP leaves it (the next "
                            "fit shards it anew)")  # fmt: skip
-        lm.cpu()
+        if not any(t.is_meta for t in itertools.chain(lm.parameters(), lm.buffers())):  # refused before materializing
+            lm.cpu()
 
     def _stays_sharded(self, lm: nn.Module) -> str | None:
         trainer = getattr(lm, "_trainer", None)
@@ -103,3 +105,10 @@ class Replicating:
                 self.model = lm  # the first DDP goes, and its reducer's hooks with it, before the next one
                 gc.collect()
                 self.model = replicate_module(lm, group, device, find_unused=False)
+
+
+# A library asks "is this DDP?" (scvi-tools: ``isinstance(trainer.strategy, DDPStrategy)``) to choose its data path
+# and its ``sync_dist``: Cuboid's strategy is DDP's drop-in, so it answers yes (an ABC's virtual subclass; Lightning's
+# own checks, ``is_distributed`` and compile support, answer as for DDP). What the library's loader does then is
+# checked against the layout in ``process_dataloader`` (cuboid.dropin.loaders).
+DDPStrategy.register(Replicating)

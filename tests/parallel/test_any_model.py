@@ -15,7 +15,14 @@ from ahead import ahead
 from harness import WORKERS, SpecRuns
 from parity_lib import LOSS_RTOL, PARAM_ATOL
 
-PATTERNS = ("root_moduledict", "root_modulelist", "abc_lstm", "method_step", "manual_gan")
+PATTERNS = (
+    "root_moduledict",
+    "root_modulelist",
+    "abc_lstm",
+    "method_step",
+    "manual_gan",
+    "asks_ddp",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +37,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     specs += [{"name": f"{strategy}-plugin", "strategy": strategy, "module": "method_step", "plugin": True,
                "kwargs": {"checkpoint_format": "full"} if strategy == "cuboid_sharded" else {}}
               for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
+    # (not under DDP: Lightning's re-made loader hands the step [[x, y]] for (x, y), and it stops)
+    specs += [{"name": f"{strategy}-batched_sampler", "strategy": strategy, "module": "batched_sampler"}
+              for strategy in ("cuboid", "cuboid_sharded")]  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "patterns_worker.py", specs)
     return got
@@ -113,7 +123,7 @@ def test_after_fit_the_model_is_what_ddp_leaves(pattern: str, strategy: str, res
     or not, and each of those calls gives DDP's value."""
     ddp, cuboid = results[f"ddp-{pattern}"]["after_fit"], results[f"{strategy}-{pattern}"]["after_fit"]
     cls = {"root_moduledict": "RootModuleDict", "root_modulelist": "RootModuleList", "abc_lstm": "AbcLstm",
-           "method_step": "MethodStep", "manual_gan": "ManualGan"}[pattern]  # fmt: skip
+           "method_step": "MethodStep", "manual_gan": "ManualGan", "asks_ddp": "AsksDdp"}[pattern]  # fmt: skip
     expected = {"class": cls, "model_class": cls, "devices": ["cpu"], "kinds": ["Tensor"]}
     assert {k: ddp[k] for k in expected} == expected, ddp
     assert {k: cuboid[k] for k in expected} == expected, cuboid
@@ -131,6 +141,25 @@ def test_a_second_fit_trains_the_same_module_again(strategy: str, results) -> No
     assert len(cuboid["losses"]) == len(ddp["losses"]) == 4
     assert max(abs(a - b) / abs(b) for a, b in zip(cuboid["losses"], ddp["losses"], strict=True)) <= LOSS_RTOL
     assert max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items()) <= PARAM_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+def test_a_library_that_asks_for_ddp_gets_its_ddp_path_and_its_batches(strategy: str, results) -> None:
+    """A library that chooses its data path by ``isinstance(strategy, DDPStrategy)`` (scvi-tools; issues 66 and 72)
+    takes its DDP path under Cuboid: its own distributed batch sampler, DDP's batches and losses (the losses in
+    test_cuboid_trains_it_as_ddp_does). Its single-process loader, a ``BatchSampler`` passed as ``sampler=`` that
+    Lightning makes again around its ``DistributedSamplerWrapper``, yields the library's batches too: Lightning's
+    DDP batches each of them once more (the step gets ``[[x, y]]`` for ``(x, y)``, and stops), Cuboid turns
+    automatic batching off again, and it trains."""
+    ddp, cuboid = results["ddp-asks_ddp"], results[f"{strategy}-asks_ddp"]
+    assert cuboid["sampler"] == ddp["sampler"] == "BatchDistributedSampler", (cuboid["sampler"], ddp["sampler"])
+    assert cuboid["shapes"] == ddp["shapes"] == [[4, 8]] * 16, cuboid["shapes"]
+    single = results[f"{strategy}-batched_sampler"]
+    assert single["sampler"] == "DistributedSamplerWrapper" and single["shapes"] == [[4, 8]] * 16, single["shapes"]
+    assert any("yields whole batches with automatic batching off" in line for line in single["log"]), single["log"]
+    losses = [sum(rank) / 2 for rank in zip(*single["losses"], strict=True)]
+    assert len(losses) == 16 and sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses  # it trains
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ def test_lightning_cli_takes_cuboid_by_class_path_with_its_arguments(tmp_path) -
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["strategy"] == "cuboid.strategy.CuboidStrategy" and result["world_size"] == 2
     assert result["sharded"] and result["format"] == "full" and result["hidden"] == 16  # init_args and model args
+    assert result["whole_after_fit"]
     assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0]
     saved = (tmp_path / "config.yaml").read_text()  # LightningCLI's own record of the run names the strategy
     assert "class_path: cuboid.CuboidStrategy" in saved and "data_parallel_shard: auto" in saved

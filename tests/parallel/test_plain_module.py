@@ -24,6 +24,7 @@ def test_plain_module_trains_with_lightning_launcher(tmp_path) -> None:
     assert result["world_size"] == 2
     assert result["launched_by"] == "LightningEnvironment"
     assert result["param_is_dtensor"]  # sharded by FSDP2 without the module asking
+    assert result["param_types"] == ["Parameter"]  # and whole again after fit, as DDP leaves it
     first = sum(result["first_losses"]) / 5
     last = sum(result["last_losses"]) / 5
     assert last < 0.5 * first, result

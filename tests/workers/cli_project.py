@@ -23,9 +23,12 @@ class Regressor(L.LightningModule):
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.losses: list[float] = []
+        self.sharded_in_training: bool | None = None  # read in the step: after fit the model is whole again
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.sharded_in_training is None:
+            self.sharded_in_training = all(isinstance(p, DTensor) for p in self.parameters())
         loss = F.mse_loss(self.net(x), y)
         self.losses.append(loss.item())
         return loss
@@ -51,7 +54,8 @@ if __name__ == "__main__":
         result = {
             "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
             "format": strategy.checkpointer.format,
-            "sharded": all(isinstance(p, DTensor) for p in cli.model.parameters()),
+            "sharded": cli.model.sharded_in_training,
+            "whole_after_fit": not any(isinstance(p, DTensor) for p in cli.model.parameters()),
             "hidden": cli.model.hparams.hidden,
             "losses": cli.model.losses,
             "world_size": cli.trainer.world_size,

@@ -32,6 +32,20 @@ from cuboid.measure import held_bytes  # noqa: E402
 from cuboid.storage import to_path  # noqa: E402
 
 
+def placements_of(module) -> dict:
+    """Each DTensor parameter's mesh dims, placements, local and full shapes."""
+    return {
+        n: (
+            list(p.device_mesh.mesh_dim_names),
+            [str(pl) for pl in p.placements],
+            list(p.to_local().shape),
+            list(p.shape),
+        )
+        for n, p in module.named_parameters()
+        if isinstance(p, DTensor)
+    }
+
+
 class Facts(L.Callback):
     """What each rank saw: samples per step, the dp-mean loss per step, persistent bytes."""
 
@@ -44,6 +58,10 @@ class Facts(L.Callback):
         self.logged: list[float] = []
         self.seen: list[list[int]] = []
         self.ckpt_group_at_start: bool | None = None
+        self.placements: dict | None = None  # read at train end: after the run the model is whole again, as DDP's
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.placements = placements_of(pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.seen:  # before any save: is the checkpoint process group already there?
@@ -388,16 +406,7 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("save_after_fit"):
         trainer.save_checkpoint(spec["save_after_fit"])
         strategy.wait_for_checkpoint()
-    placements = {
-        n: (
-            list(p.device_mesh.mesh_dim_names),
-            [str(pl) for pl in p.placements],
-            list(p.to_local().shape),
-            list(p.shape),
-        )
-        for n, p in module.named_parameters()
-        if isinstance(p, DTensor)
-    }
+    placements = facts.placements if facts.placements is not None else placements_of(module)
     mine = {
         "seen": facts.seen,
         "losses": facts.losses,

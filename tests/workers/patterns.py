@@ -11,6 +11,10 @@ gluonts, darts), written with no thought of Cuboid: what ``fully_shard`` cannot 
   ``toggle_optimizer``, ``manual_backward`` twice a step, gradients accumulated by hand over 2 batches and the
   discriminator's clipped by hand (``self.clip_gradients``). Its noise is a function of each sample, so one process
   with the whole batch computes what two data-parallel ranks do.
+- ``asks_ddp``: a library's data path chosen by asking ``isinstance(strategy, DDPStrategy)`` (scvi-tools): its own
+  ``DistributedSampler`` yielding whole batches, automatic batching off;
+- ``batched_sampler``: the same library's single-process loader (a ``BatchSampler`` passed as ``sampler=``), which
+  Lightning makes again around its ``DistributedSamplerWrapper``.
 
 Each regresses 8 features to 1 on the same random data.
 """
@@ -23,6 +27,15 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 FEATURES = 8
 
@@ -167,8 +180,76 @@ class ManualGan(_Regression):
                 torch.optim.Adam(self.disc.parameters(), lr=self.hparams.lr))  # fmt: skip
 
 
+class BatchDistributedSampler(DistributedSampler):
+    """scvi-tools' ``BatchDistributedSampler``: a ``DistributedSampler`` over the world's ranks (read from the
+    default process group, as the library builds it for DDP) that yields this rank's indices a batch at a time."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool) -> None:
+        super().__init__(dataset, shuffle=shuffle, seed=0)
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter([indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)])
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+
+class LibraryLoader(DataLoader):
+    """scvi-tools' ``AnnDataLoader``: one ``__getitem__`` per minibatch, the sampler yielding whole batches and
+    automatic batching off (``batch_size=None``); a sampler passed in is used as it is, ``batch_size`` then being
+    the library's own argument, not the DataLoader's (so torch's default of 1 applies)."""
+
+    def __init__(self, dataset: Dataset, batch_size: int = 4, shuffle: bool = False, sampler: Sampler | None = None,
+                 distributed_sampler: bool = False, **kwargs) -> None:  # fmt: skip
+        if sampler is None:
+            if distributed_sampler:
+                sampler = BatchDistributedSampler(dataset, batch_size, shuffle)
+            else:
+                order = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+                sampler = BatchSampler(order, batch_size=batch_size, drop_last=False)
+            kwargs.update(batch_size=None, shuffle=False)
+        super().__init__(dataset, sampler=sampler, **kwargs)
+
+
+class AsksDdp(_Regression):
+    """A library's model whose data path follows the strategy, as scvi-tools' does: its distributed sampler when
+    ``isinstance(strategy, DDPStrategy)``, its single-process loader otherwise; ``sync_dist`` likewise. Records the
+    shape of each batch it trains on."""
+
+    ASK = True
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.shapes: list[list[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.shapes.append(list(batch[0].shape))
+        return super().training_step(batch, batch_idx)
+
+    @classmethod
+    def make_loader(cls, strategy: object, dataset: Dataset) -> DataLoader:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        ddp = cls.ASK and isinstance(strategy, DDPStrategy)
+        return LibraryLoader(dataset, batch_size=4, shuffle=True, distributed_sampler=ddp)
+
+
+class BatchedSampler(AsksDdp):
+    """The same library's single-process loader under any strategy (scvi-tools given ``strategy="cuboid"``, a
+    name without "ddp" in it): Lightning wraps its batch sampler and makes the loader again."""
+
+    ASK = False
+
+
 PATTERNS = {"root_moduledict": RootModuleDict, "root_modulelist": RootModuleList, "abc_lstm": AbcLstm,
-            "method_step": MethodStep, "manual_gan": ManualGan}  # fmt: skip
+            "method_step": MethodStep, "manual_gan": ManualGan, "asks_ddp": AsksDdp,
+            "batched_sampler": BatchedSampler}  # fmt: skip
 
 
 def data(n: int = 64) -> torch.utils.data.TensorDataset:

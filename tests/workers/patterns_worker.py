@@ -63,7 +63,8 @@ def run(spec: dict, out: Path) -> None:
         limit_train_batches=8, callbacks=[ckpt], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out / spec["name"],
     )  # fmt: skip
-    loader = DataLoader(data(), batch_size=4, shuffle=True)
+    make = getattr(cls, "make_loader", None)  # a library's own loader, built from what the strategy is
+    loader = make(trainer.strategy, data()) if make else DataLoader(data(), batch_size=4, shuffle=True)
     log: list[str] = []
     handler = _Lines(log)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
@@ -79,6 +80,8 @@ def run(spec: dict, out: Path) -> None:
     final = whole(module)
     result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
               "warnings": [str(w.message) for w in caught], "log": log, "pickles": pickles}  # fmt: skip
+    result["shapes"] = getattr(module, "shapes", None)
+    result["sampler"] = type(trainer.train_dataloader.sampler).__name__
     result["after_fit"] = _after_fit(cls, module, trainer)
     if spec.get("fit_again"):  # the same module, a second fit: sharded anew where the first one sharded it
         again = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(spec),

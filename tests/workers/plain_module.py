@@ -28,9 +28,12 @@ class Regressor(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
         self.losses: list[float] = []
         self.compute: dict[str, str] = {}
+        self.sharded_in_training: bool | None = None  # read in the step: after fit the model is whole again
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.sharded_in_training is None:
+            self.sharded_in_training = all(isinstance(p, DTensor) for p in self.parameters())
         out = self.net(x)
         if not self.compute:
             self.compute = {"output": str(out.dtype), "autocast": str(torch.is_autocast_enabled("cpu"))}
@@ -83,7 +86,7 @@ def main() -> None:
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
         "checkpoint_files": sorted(p.name for p in next((out / "checkpoints").iterdir()).iterdir()),
-        "param_is_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "param_is_dtensor": model.sharded_in_training,
         "threads": _gathered(torch.get_num_threads()),
         "ddp_threads": _suggested_max_num_threads(2),  # what Lightning's DDP gives each of 2 processes on this node
     }
