@@ -26,6 +26,7 @@ PUBLIC = [
     "cuboid.CuboidPrecision",
     "cuboid.Layout",
     "cuboid.LayoutError",
+    "cuboid.LoaderError",
     "cuboid.PlanError",
     "cuboid.PipelineError",
     "cuboid.ContextParallelError",

@@ -14,7 +14,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.resume import restored_names
-from cuboid.dropin.loaders import check_sampler_ranks, keep_library_batches
+from cuboid.dropin import check_sampler_ranks, keep_library_batches
 from cuboid.storage import to_path
 
 

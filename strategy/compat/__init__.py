@@ -189,12 +189,11 @@ UNKNOWN: Any = _Unknown()  # pending_checkpoint could not tell
 
 
 def give_back_signals(trainer: Any) -> None:
-    """Undo :func:`drop_sigterm_broadcast`, :func:`take_over_sigterm` and :func:`take_over_slurm_requeue_signal` on
-    ``trainer`` once a fit ends: Lightning's own methods again (and a trainer that pickles, as the functions set on
-    it are local ones)."""
-    for owner, name in ((trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"),
-                        (trainer._signal_connector, "_sigterm_notifier_fn"),
-                        (trainer._signal_connector, "_slurm_sigusr_handler_fn")):  # fmt: skip
+    """Undo :func:`drop_sigterm_broadcast`, :func:`take_over_sigterm`, :func:`take_over_slurm_requeue_signal` once a
+    fit ends: Lightning's own methods again on ``trainer`` (which then pickles: the functions set were local ones)."""
+    signals = trainer._signal_connector
+    for owner, name in ((trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor"), (signals, "_sigterm_notifier_fn"),
+                        (signals, "_slurm_sigusr_handler_fn")):  # fmt: skip
         vars(owner).pop(name, None)
 
 
@@ -369,7 +368,7 @@ from cuboid.compat.attention import (  # noqa: E402, F401
 # --- CUDA kernels' preconditions, checked on CPU: cuboid/compat/contracts.py ---------------------------------------
 from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401
 
-# --- litdata's StreamingDataset, Lightning's seeding of DataLoader workers: cuboid/compat/data.py --------------------
+# --- litdata's StreamingDataset, Lightning's DataLoader workers and samplers: cuboid/compat/data.py ------------------
 from cuboid.compat.data import (  # noqa: E402, F401
     batch_per_sample,
     deal_over_data_parallel,
@@ -397,6 +396,4 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     start_dtensor_rng,
     unflatten_mesh,
 )
-
-# --- FSDP2 undone after a run: cuboid/compat/fsdp.py ---------------------------------------------------------------
-from cuboid.compat.fsdp import fsdp_units, unshard_for_good  # noqa: E402, F401
+from cuboid.compat.fsdp import fsdp_units, unshard_for_good  # noqa: E402, F401  (FSDP2 undone after a run)

@@ -1,7 +1,9 @@
 """What a DDP project's model needs to switch by one line: the FSDP units ``fully_shard`` can take as they are, the
 rest gathered with the LightningModule for each step (``units``), and replication with torch's own DDP where
-sharding buys nothing (``replicate``: the default data-parallel layout follows memory)."""
+sharding buys nothing (``replicate``: the default data-parallel layout follows memory); the loaders a library
+builds for DDP, checked against the layout (``loaders``)."""
 
+from cuboid.dropin.loaders import LoaderError, check_sampler_ranks, keep_library_batches
 from cuboid.dropin.replicate import (
     Replication,
     capacity,
@@ -15,6 +17,9 @@ from cuboid.dropin.replicated import Replicating
 from cuboid.dropin.units import STEP_METHODS, choose_units
 
 __all__ = [
+    "LoaderError",
+    "check_sampler_ranks",
+    "keep_library_batches",
     "STEP_METHODS",
     "Replicating",
     "Replication",
