@@ -262,7 +262,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
             self._parallelize(lm, self._restored(trainer, lm))
-        self.checkpointer.use_checkpoint_io(self.checkpoint_io)  # a plugin: full files through it; else refused
+        self.settle_for_libraries(trainer)  # a CheckpointIO plugin, weight averaging (cuboid.dropin.replicated)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
         self.job_guard.extra_group(self.checkpointer.group)

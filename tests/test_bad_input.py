@@ -21,6 +21,7 @@ from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.context.attention import check_attention
 from cuboid.context.hf import use_cp_attention
+from cuboid.dropin import AveragingError
 from cuboid.experts import expert_block
 from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
@@ -626,8 +627,29 @@ def _library_sampler_over_the_world() -> None:
     check_sampler_ranks(loader, 2, 1, False, "pp=1 x dp_replicate=1 x dp_shard=2 x tp=2")
 
 
+def _averaging(callback: str, split: str | None, sharded_files: bool) -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    from cuboid.dropin import check_averaging
+
+    made = {"ema": lambda: EMAWeightAveraging(decay=0.9), "swa": lambda: StochasticWeightAveraging(swa_lrs=0.01)}
+    check_averaging([made[callback]()], split, sharded_files)
+
+
 CASES.update(
     {
+        "weight averaging under tensor parallel": (
+            lambda: _averaging("swa", "tensor_parallel=2 split it", False),
+            AveragingError,
+            r"StochasticWeightAveraging\(\.\.\.\)\]\) keeps a whole copy of the model .* this layout's "
+            r"tensor_parallel=2 split it: .* Average under data parallel only",
+        ),
+        "EMAWeightAveraging with the sharded format": (
+            lambda: _averaging("ema", None, True),
+            AveragingError,
+            r"EMAWeightAveraging\(\.\.\.\)\]\) writes its average into each checkpoint's state_dict .* "
+            r"Set CuboidStrategy\(checkpoint_format='full'\)",
+        ),
         "a library's DistributedSampler over the world's ranks under tensor parallel": (
             _library_sampler_over_the_world,
             LoaderError,

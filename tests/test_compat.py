@@ -980,3 +980,26 @@ def test_lightning_keeps_the_sampler_it_wraps_and_a_loader_can_turn_batching_off
     assert got[0][0].tolist() == [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]  # rank 1's first batch: samples 3, 4, 5
     with pytest.raises(ValueError, match="batch_size attribute should not be set"):
         rebuilt.batch_size = 4  # torch's guard is back up
+
+
+def test_lightnings_averaging_callbacks_keep_their_whole_copy_where_compat_reads_it() -> None:
+    """:func:`cuboid.compat.averaged_copies`: ``WeightAveraging`` keeps an ``AveragedModel`` as ``_average_model``
+    (the copy its ``module``), ``StochasticWeightAveraging`` a deepcopy of the LightningModule there; both made in
+    the callbacks' ``setup``."""
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    from cuboid import compat
+
+    module = L.LightningModule()
+    module.layer = nn.Linear(2, 2)
+    ema, swa = EMAWeightAveraging(decay=0.9), StochasticWeightAveraging(swa_lrs=0.01)
+    assert compat.averaged_copies([ema, swa]) == []  # not made before setup
+    trainer = SimpleNamespace(strategy=object())  # SWA asks the strategy's type
+    for callback in (ema, swa):
+        callback.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    copies = compat.averaged_copies([ema, swa])
+    assert len(copies) == 2 and all(type(c) is type(module) and c is not module for c in copies)
+    assert all(torch.equal(c.layer.weight, module.layer.weight) for c in copies)

@@ -26,13 +26,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from cuboid import compat
 from cuboid.adapters import adapter_configs
 from cuboid.checkpoint.format import (
+    CheckpointError,
     CheckpointFormat,
     CheckpointReader,
+    LiveWeights,
     LoadRequest,
     SaveRequest,
     check_loadable,
@@ -147,7 +150,17 @@ class Checkpointer:
         """Write Lightning's ``checkpoint`` dict and the model/optimizer state to ``path`` (atomically), with where
         the data stands and the ``layout`` it was saved on (every degree, ``ep`` included: ``Layout.degrees``).
         ``dp``: this rank's data-parallel rank and the degree."""
-        checkpoint.pop("state_dict", None)
+        given = checkpoint.pop("state_dict", None)
+        moved = [key for key, value in checkpoint.items() if isinstance(value, LiveWeights)]
+        if (given and not isinstance(given, LiveWeights)) or moved:  # a callback's own (WeightAveraging's average)
+            if self.format != "full":
+                raise CheckpointError(
+                    f"A callback put weights of its own in the checkpoint's state_dict (the live ones under {moved}), "
+                    f"which CuboidStrategy(checkpoint_format={self.format!r}) cannot write as Lightning's DDP does: "
+                    "set CuboidStrategy(checkpoint_format='full')."
+                )
+            checkpoint["state_dict"] = {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v
+                                        for k, v in (given or {}).items()}  # fmt: skip
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         data = self.position.saved(trainer, checkpoint, dp)

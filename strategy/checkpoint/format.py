@@ -99,6 +99,12 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded here; nothing was changed."""
 
 
+class LiveWeights(dict):
+    """The strategy's ``lightning_module_state_dict()``: empty, for the model is written shard by shard. Where a
+    callback moves it (``WeightAveraging``: to ``current_model_state``, its average in ``state_dict``'s place), the
+    full format writes the live weights."""
+
+
 def check_loadable(path: Path, allow_file: bool = False) -> None:
     """Refuse, with a clear message, anything that is not a complete Cuboid checkpoint.
 

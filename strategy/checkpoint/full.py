@@ -46,6 +46,7 @@ from cuboid import compat
 from cuboid.checkpoint import lightning as lightning_format
 from cuboid.checkpoint.format import (
     CheckpointError,
+    LiveWeights,
     LoadRequest,
     SaveRequest,
     collect_rng,
@@ -91,7 +92,9 @@ def _save_full(
         return None
     assert gathered is not None
     payload = dict(lightning_state)
-    payload["state_dict"] = gathered.pop("model")
+    live = gathered.pop("model")
+    payload["state_dict"] = payload.get("state_dict") or live  # or a callback's own weights (WeightAveraging's)
+    payload.update({key: live for key, value in payload.items() if isinstance(value, LiveWeights)})  # moved there
     if optimizers:  # none for ModelCheckpoint(save_weights_only=True): leave the key out, as Lightning does
         payload["optimizer_states"] = [
             lightning_format.to_positional(
@@ -234,6 +237,8 @@ def load_full(
         except lightning_format.FormatError as err:
             raise CheckpointError(str(err)) from None
     stored = {"model": payload.pop("state_dict"), **{f"optimizer_{i}": s for i, s in enumerate(stored_opts)}}
+    if "current_model_state" in payload:  # WeightAveraging's: its on_load_checkpoint reads its average there too
+        payload["state_dict"] = stored["model"]
     reader = _MappedReader(stored)
     load_state(path, module, optimizers, strict, set(reader.flat), storage_reader=reader)
     rng = extra.pop("rng", None)

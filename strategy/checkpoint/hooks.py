@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from cuboid import compat
 from cuboid.checkpoint.checkpointer import Checkpointer
+from cuboid.checkpoint.format import LiveWeights
 from cuboid.checkpoint.resume import restored_names
 from cuboid.dropin import check_sampler_ranks, keep_library_batches
 from cuboid.storage import to_path
@@ -38,7 +39,7 @@ class CheckpointHooks:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the model is written shard by shard in save_checkpoint
+        return LiveWeights()  # the model is written shard by shard in save_checkpoint
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:

@@ -364,6 +364,7 @@ from cuboid.compat.attention import (  # noqa: E402, F401
     lse_kernel,
     window_mask,
 )
+from cuboid.compat.callbacks import averaged_copies  # noqa: E402, F401  (weight averaging's whole copy)
 
 # --- CUDA kernels' preconditions, checked on CPU: cuboid/compat/contracts.py ---------------------------------------
 from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401

@@ -1,8 +1,15 @@
 """What a DDP project's model needs to switch by one line: the FSDP units ``fully_shard`` can take as they are, the
 rest gathered with the LightningModule for each step (``units``), and replication with torch's own DDP where
 sharding buys nothing (``replicate``: the default data-parallel layout follows memory); the loaders a library
-builds for DDP, checked against the layout (``loaders``)."""
+builds for DDP, checked against the layout (``loaders``); weight averaging beside a sharded model (``averaging``)."""
 
+from cuboid.dropin.averaging import (
+    AveragingError,
+    accept_whole_state_dicts,
+    check_averaging,
+    shard_alike,
+    whole_weights,
+)
 from cuboid.dropin.loaders import LoaderError, check_sampler_ranks, keep_library_batches
 from cuboid.dropin.replicate import (
     Replication,
@@ -17,6 +24,11 @@ from cuboid.dropin.replicated import Replicating
 from cuboid.dropin.units import STEP_METHODS, choose_units
 
 __all__ = [
+    "AveragingError",
+    "accept_whole_state_dicts",
+    "shard_alike",
+    "whole_weights",
+    "check_averaging",
     "LoaderError",
     "check_sampler_ranks",
     "keep_library_batches",

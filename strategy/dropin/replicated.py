@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cuboid import compat
 from cuboid.dropin.after_run import make_plain, refuse_pickling, stays_sharded
+from cuboid.dropin.averaging import check_averaging, make_whole, put_ahead, shard_alike
 from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
 
 
@@ -65,6 +66,8 @@ class Replicating:
                 return
             fitted = lm._trainer.state.fn == TrainerFn.FITTING  # the optimizers are this run's
             make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
+            for copy in compat.averaged_copies(lm._trainer.callbacks):  # Lightning's weight averaging's, if sharded
+                make_whole(copy)
             self.model = lm
             rank_zero_info("Cuboid: the model is whole on every rank again after the run, as DDP leaves it (the next "
                            "fit shards it anew)")  # fmt: skip
@@ -75,13 +78,31 @@ class Replicating:
         trainer = getattr(lm, "_trainer", None)
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             return "the run stopped on an error"  # a peer may be gone: no collective now
-        layout, settings = self.layout, self.settings  # type: ignore[attr-defined]
-        sizes = {"pipeline_parallel": layout.pp, "tensor_parallel": layout.tp, "context_parallel": layout.cp,
-                 "expert_parallel": layout.ep}  # fmt: skip
-        return stays_sharded(lm, sizes, self.num_processes,  # type: ignore[attr-defined]
+        settings = self.settings  # type: ignore[attr-defined]
+        return stays_sharded(lm, self._other_degrees(), self.num_processes,  # type: ignore[attr-defined]
                              activation_checkpointing=settings.activation_checkpointing,
                              cpu_offload=settings.cpu_offload,
                              fault_tolerance=getattr(self, "replicas", None) is not None)  # fmt: skip
+
+    def _other_degrees(self) -> dict[str, int]:
+        layout = self.layout  # type: ignore[attr-defined]
+        return {"pipeline_parallel": layout.pp, "tensor_parallel": layout.tp, "context_parallel": layout.cp,
+                "expert_parallel": layout.ep}  # fmt: skip
+
+    def settle_for_libraries(self, trainer: Any) -> None:
+        """Once setup has replicated or sharded the model: a library's ``CheckpointIO`` plugin taken or refused
+        (:meth:`Checkpointer.use_checkpoint_io`); Lightning's weight-averaging callbacks checked against the layout
+        and, for a model sharded over the data-parallel ranks only, their whole copy sharded as the model is
+        (:mod:`cuboid.dropin.averaging`)."""
+        self.checkpointer.use_checkpoint_io(self.checkpoint_io)  # type: ignore[attr-defined]
+        lm: Any = self.lightning_module  # type: ignore[attr-defined]
+        others = [f"{name}={value}" for name, value in self._other_degrees().items() if value != 1]
+        sharded = any(True for _ in compat.fsdp_units(lm))
+        files = sharded and self.checkpointer.format == "sharded" and bool(trainer.checkpoint_callbacks)  # type: ignore[attr-defined]
+        check_averaging(trainer.callbacks, f"{', '.join(others)} split it" if others else None, files)
+        for copy in compat.averaged_copies(trainer.callbacks) if sharded and not others else ():
+            shard_alike(copy, lm)
+            put_ahead(trainer.callbacks)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Lightning's DDP's own (``DDPStrategy.pre_backward``): under manual optimization, a ``manual_backward``

@@ -4,7 +4,12 @@ other wings use; the rest is read from its module (``cuboid.parallel.parallelize
 
 from cuboid.parallel.batchnorm import DataParallelBatchNorm, sync_batchnorm
 from cuboid.parallel.buffers import BufferBroadcast
-from cuboid.parallel.build import ParallelSettings, finish_weights, parallelize_plain, prepare_weights
+from cuboid.parallel.build import (
+    ParallelSettings,
+    finish_weights,
+    parallelize_plain,
+    prepare_weights,
+)
 from cuboid.parallel.mesh import (
     FLATTENED,
     MESH_NAMES,

@@ -20,10 +20,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from cuboid.checkpoint import load_pretrained, plan_pretrained
-from cuboid.dropin import choose_units
+from cuboid.dropin import accept_whole_state_dicts, choose_units
 from cuboid.parallel import materialize, plans
 from cuboid.parallel.mesh import ExpertsLayout, fsdp_mesh
 from cuboid.parallel.parallelize import ACMode, Part, parallelize
@@ -191,28 +191,6 @@ def finish_weights(
         load_pretrained(lm, plan)
     _average_stray_gradients(lm, _report_stray_parameters(lm), dp_mesh)
     accept_whole_state_dicts(lm)
-
-
-def accept_whole_state_dicts(root: nn.Module) -> None:
-    """``load_state_dict`` of the sharded model takes whole tensors too, as DDP-era code hands it
-    (``model.load_state_dict(torch.load(best)["state_dict"])``): each whole tensor becomes the DTensor it fills, each
-    rank keeping its slices of it (no collective: every rank has the whole tensor). A hook on each module that holds
-    DTensors itself, run by ``load_state_dict`` before it copies."""
-    for module in root.modules():
-        held = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        if any(isinstance(value, DTensor) for _, value in held):
-            module.register_load_state_dict_pre_hook(_shard_whole)
-
-
-def _shard_whole(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    for name, target in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        value = state_dict.get(prefix + name)
-        whole = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-        if isinstance(target, DTensor) and whole and tuple(value.shape) == tuple(target.shape):
-            value = value.to(target.to_local().device, target.dtype)
-            state_dict[prefix + name] = distribute_tensor(
-                value, target.device_mesh, target.placements, src_data_rank=None
-            )
 
 
 def _report_stray_parameters(lm: nn.Module) -> list[str]:

@@ -40,6 +40,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     # (not under DDP: Lightning's re-made loader hands the step [[x, y]] for (x, y), and it stops)
     specs += [{"name": f"{strategy}-batched_sampler", "strategy": strategy, "module": "batched_sampler"}
               for strategy in ("cuboid", "cuboid_sharded")]  # fmt: skip
+    specs += [{"name": f"{strategy}-{averaging}", "strategy": strategy, "module": "root_moduledict",
+               "averaging": averaging, "kwargs": {"checkpoint_format": "full"} if strategy == "cuboid_sharded" else {}}
+              for averaging in ("ema", "swa") for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
     got = SpecRuns(out)
     got.launch(2, WORKERS / "patterns_worker.py", specs)
     return got
@@ -160,6 +163,29 @@ def test_a_library_that_asks_for_ddp_gets_its_ddp_path_and_its_batches(strategy:
     assert any("yields whole batches with automatic batching off" in line for line in single["log"]), single["log"]
     losses = [sum(rank) / 2 for rank in zip(*single["losses"], strict=True)]
     assert len(losses) == 16 and sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+@pytest.mark.parametrize("averaging", ["ema", "swa"])
+def test_lightnings_weight_averaging_gives_ddps_numbers(averaging: str, strategy: str, results) -> None:
+    """``EMAWeightAveraging`` and ``StochasticWeightAveraging`` (issue 66): their whole copy of the model sharded as
+    the model is (``data_parallel_shard``), every update, swap for validation and final copy equals DDP's; the
+    best checkpoint (one file) holds the average in ``state_dict`` and the live weights under
+    ``current_model_state`` (EMA), as DDP's does."""
+    ddp, cuboid = results[f"ddp-{averaging}"], results[f"{strategy}-{averaging}"]
+    loss = max(_rel(mine, theirs) for mine, theirs in zip(cuboid["losses"], ddp["losses"], strict=True))
+    params = max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items())
+    print(f"{averaging}: {strategy} vs ddp at dp2: loss {loss:.1e}, params {params:.1e}")
+    assert loss <= LOSS_RTOL and params <= PARAM_ATOL, (loss, params)
+    assert _close(cuboid["torch_load"], ddp["torch_load"]), (cuboid["torch_load"], ddp["torch_load"])
+    if averaging == "swa":  # (EMAWeightAveraging holds torch's local ema_update: no Trainer with it pickles)
+        assert all(got["trainer"] == "Trainer" for got in cuboid["pickles"]), cuboid["pickles"]  # its copy too
+    assert cuboid["copy_kinds"] == ddp["copy_kinds"] == ["Tensor"], cuboid["copy_kinds"]  # whole again after the run
+    if averaging == "ema":
+        assert isinstance(ddp["current_model_state"], dict) and ddp["current_model_state"]
+        assert _close(cuboid["current_model_state"], ddp["current_model_state"])
+        assert not _close(ddp["current_model_state"], ddp["torch_load"])  # the average is not the live weights
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity_lib import each_spec  # noqa: E402
 from patterns import PATTERNS, data  # noqa: E402
 
-from cuboid import CuboidStrategy, read_model_weights  # noqa: E402  (importing cuboid registers "cuboid")
+from cuboid import CuboidStrategy, compat, read_model_weights  # noqa: E402  (importing cuboid registers "cuboid")
 
 
 def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -58,9 +58,12 @@ def run(spec: dict, out: Path) -> None:
     strategy = _strategy(spec)
     before = _pickles(strategy) if not isinstance(strategy, str) else None
     ckpt = ModelCheckpoint(dirpath=out / spec["name"], monitor="val_loss", save_top_k=1)
+    averaging = {"ema": lambda: [EMAWeightAveraging(decay=0.9)],  # Lightning's own weight averaging, if asked
+                 "swa": lambda: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]}  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=2,
-        limit_train_batches=8, callbacks=[ckpt], logger=False, enable_progress_bar=False,
+        limit_train_batches=8, callbacks=[ckpt, *averaging.get(spec.get("averaging"), list)()], logger=False,
+        enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out / spec["name"],
     )  # fmt: skip
     make = getattr(cls, "make_loader", None)  # a library's own loader, built from what the strategy is
@@ -81,6 +84,8 @@ def run(spec: dict, out: Path) -> None:
     result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
               "warnings": [str(w.message) for w in caught], "log": log, "pickles": pickles}  # fmt: skip
     result["shapes"] = getattr(module, "shapes", None)
+    copies = compat.averaged_copies(trainer.callbacks)  # Lightning's weight averaging's whole copy, if any
+    result["copy_kinds"] = sorted({type(p.data).__name__ for c in copies for p in c.parameters()})
     result["sampler"] = type(trainer.train_dataloader.sampler).__name__
     result["after_fit"] = _after_fit(cls, module, trainer)
     if spec.get("fit_again"):  # the same module, a second fit: sharded anew where the first one sharded it
@@ -97,6 +102,7 @@ def run(spec: dict, out: Path) -> None:
         best = ckpt.best_model_path
         result["reloaded"] = _tried(lambda: cls.load_from_checkpoint(best).state_dict())
         result["torch_load"] = _tried(lambda: torch.load(best, weights_only=False)["state_dict"])
+        result["current_model_state"] = _tried(lambda: torch.load(best, weights_only=False)["current_model_state"])
         result["read_weights"] = _tried(lambda: read_model_weights(best))
         torch.save(result, out / f"{spec['name']}.pt")
     dist.barrier()
