@@ -172,7 +172,7 @@ def test_lightnings_weight_averaging_gives_ddps_numbers(averaging: str, strategy
     """``EMAWeightAveraging`` and ``StochasticWeightAveraging`` (issue 66): their whole copy of the model sharded as
     the model is (``data_parallel_shard``), every update, swap for validation and final copy equals DDP's; the
     best checkpoint (one file) holds the average in ``state_dict`` and the live weights under
-    ``current_model_state`` (EMA), as DDP's does."""
+    ``current_model_state`` (EMA), as DDP's does, and a fit resumed from it goes on as DDP's."""
     ddp, cuboid = results[f"ddp-{averaging}"], results[f"{strategy}-{averaging}"]
     loss = max(_rel(mine, theirs) for mine, theirs in zip(cuboid["losses"], ddp["losses"], strict=True))
     params = max((cuboid["params"][k] - v).abs().max().item() for k, v in ddp["params"].items())
@@ -186,6 +186,10 @@ def test_lightnings_weight_averaging_gives_ddps_numbers(averaging: str, strategy
         assert isinstance(ddp["current_model_state"], dict) and ddp["current_model_state"]
         assert _close(cuboid["current_model_state"], ddp["current_model_state"])
         assert not _close(ddp["current_model_state"], ddp["torch_load"])  # the average is not the live weights
+        mine, theirs = cuboid["resumed"], ddp["resumed"]  # resumed from it: the live weights and the average go on
+        assert len(mine["losses"]) == len(theirs["losses"]) == 8
+        assert max(abs(a - b) / abs(b) for a, b in zip(mine["losses"], theirs["losses"], strict=True)) <= LOSS_RTOL
+        assert _close(mine["params"], theirs["params"]) and _close(mine["average"], theirs["average"])
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,18 @@ def run(spec: dict, out: Path) -> None:
         again.fit(module, DataLoader(data(), batch_size=4, shuffle=True))
         result["again"] = {"losses": list(module.step_losses), "params": whole(module)}
         final = whole(module)
+    if spec.get("averaging") == "ema":  # resumed from the best checkpoint for one more epoch, a new module
+        L.seed_everything(1, verbose=False)
+        resumed = cls()
+        more = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(spec),
+                         max_epochs=3, limit_train_batches=8, callbacks=averaging["ema"](), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0)  # fmt: skip
+        more.fit(resumed, DataLoader(data(), batch_size=4, shuffle=True), DataLoader(data(32), batch_size=4),
+                 ckpt_path=ckpt.best_model_path)  # fmt: skip
+        average = compat.averaged_copies(more.callbacks)[0]
+        result["resumed"] = {"losses": list(resumed.step_losses), "params": whole(resumed),
+                             "average": {k: v.detach().clone() for k, v in average.state_dict().items()}}  # fmt: skip
     module.load_state_dict({k: v + 1 for k, v in final.items()})  # whole tensors into the live model, every rank
     result["live_load"] = {k: v - final[k] for k, v in whole(module).items()}
     if dist.get_rank() == 0:  # as DDP-era code reloads its best weights
