@@ -21,7 +21,7 @@ from cuboid.checkpoint.checkpointer import Checkpointer
 from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.context.attention import check_attention
 from cuboid.context.hf import use_cp_attention
-from cuboid.dropin import AveragingError
+from cuboid.dropin import AveragingError, FreedWeightsError
 from cuboid.experts import expert_block
 from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
@@ -627,6 +627,39 @@ def _library_sampler_over_the_world() -> None:
     check_sampler_ranks(loader, 2, 1, False, "pp=1 x dp_replicate=1 x dp_shard=2 x tp=2")
 
 
+def _forward_that_differentiates_its_sharded_layers() -> None:
+    """A force field's step on a model ``fully_shard`` sharded (over one rank): forces from its energy with
+    ``torch.autograd.grad(create_graph=True)`` in the forward, then the step's backward, as the strategy runs it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cuboid.dropin import explain_freed_weights
+
+    class Potential(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.layer, self.out = nn.Linear(3, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, pos: torch.Tensor) -> torch.Tensor:
+            pos = pos.requires_grad_(True)
+            energy = self.out(torch.tanh(self.layer(torch.tanh(self.inp(pos))))).sum()
+            return -torch.autograd.grad(energy, pos, create_graph=True)[0]  # the forces
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, mesh = Potential(), init_device_mesh("cpu", (1,))
+        fully_shard(model.layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with explain_freed_weights(model):
+            model(torch.randn(4, 3)).square().sum().backward()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def _averaging(callback: str, split: str | None, sharded_files: bool) -> None:
     from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 
@@ -638,6 +671,12 @@ def _averaging(callback: str, split: str | None, sharded_files: bool) -> None:
 
 CASES.update(
     {
+        "a forward that differentiates its sharded layers itself": (
+            _forward_that_differentiates_its_sharded_layers,
+            FreedWeightsError,
+            r"The backward reached weights FSDP2 had already freed: the model's forward differentiates through its "
+            r"sharded layers itself \(torch.autograd.grad\(\.\.\., create_graph=True\).* leave data_parallel_shard unset",
+        ),
         "weight averaging under tensor parallel": (
             lambda: _averaging("swa", "tensor_parallel=2 split it", False),
             AveragingError,

@@ -21,7 +21,7 @@ from cuboid.dropin.replicate import (
     replicate_module,
 )
 from cuboid.dropin.replicated import Replicating
-from cuboid.dropin.units import STEP_METHODS, choose_units
+from cuboid.dropin.units import STEP_METHODS, FreedWeightsError, choose_units, explain_freed_weights
 
 __all__ = [
     "AveragingError",
@@ -33,6 +33,8 @@ __all__ = [
     "check_sampler_ranks",
     "keep_library_batches",
     "STEP_METHODS",
+    "FreedWeightsError",
+    "explain_freed_weights",
     "Replicating",
     "Replication",
     "capacity",

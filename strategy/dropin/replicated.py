@@ -19,6 +19,7 @@ from cuboid import compat
 from cuboid.dropin.after_run import make_plain, refuse_pickling, stays_sharded
 from cuboid.dropin.averaging import check_averaging, make_whole, put_ahead, shard_alike
 from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
+from cuboid.dropin.units import explain_freed_weights
 
 
 class Replicating:
@@ -103,6 +104,12 @@ class Replicating:
         for copy in compat.averaged_copies(trainer.callbacks) if sharded and not others else ():
             shard_alike(copy, lm)
             put_ahead(trainer.callbacks)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; a forward that differentiates through sharded units itself, said for what it is
+        (:func:`cuboid.dropin.units.explain_freed_weights`)."""
+        with explain_freed_weights(self.lightning_module):  # type: ignore[attr-defined]
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Lightning's DDP's own (``DDPStrategy.pre_backward``): under manual optimization, a ``manual_backward``

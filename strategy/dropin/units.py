@@ -21,10 +21,13 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 
 from torch import nn
+
+from cuboid import compat
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _FRAMEWORKS = ("lightning", "pytorch_lightning", "torch")  # their methods are not the project's own code
@@ -114,3 +117,35 @@ def choose_units(
 
     visit("", module, True)
     return units, kept
+
+
+class FreedWeightsError(RuntimeError):
+    """A forward that differentiates through sharded units itself: what happened and what to do."""
+
+
+@contextmanager
+def explain_freed_weights(module: nn.Module) -> Iterator[None]:
+    """Around the step's backward: torch's error when a unit's gathered weights were freed under the graph that
+    still needs them, said for what it is. A forward that calls ``torch.autograd.grad(..., create_graph=True)``
+    through sharded units (a force field's forces from its energy, a gradient penalty) runs their backward hooks
+    inside the forward: FSDP2 reshards each unit there and frees its gathered weights, which the outer backward
+    then reads (torch 2.13: "setStorage: ... out of bounds for storage of size 0"; with
+    ``reshard_after_backward`` off, no gradient reaches the shards instead). Lightning's DDP all-reduces whole
+    gradients and is not touched by it."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err)
+        if (
+            "setStorage" not in text
+            or "storage of size 0" not in text
+            or not any(True for _ in compat.fsdp_units(module))
+        ):
+            raise
+        raise FreedWeightsError(
+            "The backward reached weights FSDP2 had already freed: the model's forward differentiates through its "
+            "sharded layers itself (torch.autograd.grad(..., create_graph=True), as a force field computes forces "
+            "from its energy, or a gradient penalty), which runs FSDP2's backward hooks inside the forward and frees "
+            "each unit's gathered weights before the step's backward. Train it replicated: leave data_parallel_shard "
+            "unset (Cuboid replicates a model that fits with torch's DDP, which this forward trains under)."
+        ) from err
