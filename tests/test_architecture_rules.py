@@ -52,6 +52,11 @@ ALLOWED = {
     ("experts/hf.py", "setattr(module, GROUP_ATTR)"): "the experts module being split over ep keeps its group",
     ("experts/hf.py", "setattr(module, name)"): "the experts module's packed parameters replaced by this rank's "
     "block of experts",
+    ("dropin/averaging.py", "setattr(copy.get_submodule(owner), leaf)"): "the weight-averaging callback's whole "
+    "copy of the model being parallelized: each parameter placed as the live one (and whole again after the run)",
+    ("dropin/averaging.py", "setattr(root.get_submodule(owner), attribute)"): "the module's own tuple of copies of "
+    "its parameters, placed as its parameters",
+    ("dropin/averaging.py", "setattr(owner, attribute)"): "the same tuple whole again after the run",
     ("parallel/batchnorm.py", "setattr(module, name)"): "a BatchNorm child replaced by its synchronized twin, as "
     "torch's SyncBatchNorm.convert_sync_batchnorm does",
     ("parallel/parallelize.py", "setattr(root.get_submodule(owner), attr)"): "tied weights tied again after "

@@ -87,6 +87,68 @@ def shard_alike(copy: nn.Module, live: nn.Module) -> int:
     return done
 
 
+def own_copies(root: nn.Module) -> list[tuple[str, Any, list[DTensor]]]:
+    """The module's own copies of its parameters: an attribute of ``root`` or of one of its submodules holding a
+    list, tuple or dict of plain tensors, one for each parameter of that module (or of a module under it), in
+    order and of the same shapes (``self.ema = [p.detach().clone() for p in self.net.parameters()]``; a dict keyed
+    by the parameters' names). ``(where, container, the parameters they copy)`` for each, once the parameters are
+    DTensors."""
+    found = []
+    for path, owner in root.named_modules():
+        for attribute, value in vars(owner).items():
+            if attribute.startswith("_") or not isinstance(value, (list, tuple, dict)) or not value:
+                continue
+            tensors = list(value.values()) if isinstance(value, dict) else list(value)
+            if not all(type(t) is torch.Tensor for t in tensors):
+                continue
+            for _, candidate in owner.named_modules():
+                named = dict(candidate.named_parameters())
+                params = [named.get(k) for k in value] if isinstance(value, dict) else list(named.values())
+                shapes = [tuple(t.shape) for t in tensors] == [
+                    tuple(p.shape) if p is not None else None for p in params
+                ]
+                if shapes and all(isinstance(p, DTensor) for p in params):
+                    found.append((f"{path}.{attribute}" if path else attribute, value, params))
+                    break
+    return found
+
+
+def shard_own_copies(root: nn.Module) -> list[str]:
+    """Each of the module's own copies of its parameters (:func:`own_copies`) sharded as those parameters are, in
+    place (a tuple replaced): its updates from the parameters and copies into them are then between DTensors placed
+    alike. Where they were, by name."""
+    names = []
+    for where, container, params in own_copies(root):
+        keys = list(container) if isinstance(container, dict) else range(len(container))
+        sharded = [distribute_tensor(container[k].detach().to(p.to_local().device, p.dtype), p.device_mesh,
+                                     p.placements, src_data_rank=None) for k, p in zip(keys, params, strict=True)]  # fmt: skip
+        if isinstance(container, tuple):
+            owner, _, attribute = where.rpartition(".")
+            setattr(root.get_submodule(owner), attribute, tuple(sharded))
+        else:
+            for k, value in zip(keys, sharded, strict=True):
+                container[k] = value
+        names.append(where)
+    return names
+
+
+def whole_own_copies(root: nn.Module) -> None:
+    """After the run, every DTensor in the module's list, tuple or dict attributes whole on the CPU again."""
+    for owner in root.modules():
+        for attribute, value in list(vars(owner).items()):
+            if attribute.startswith("_") or not isinstance(value, (list, tuple, dict)):
+                continue
+            keys = list(value) if isinstance(value, dict) else range(len(value))
+            if not any(isinstance(value[k], DTensor) for k in keys):
+                continue
+            whole = [value[k].full_tensor().cpu() if isinstance(value[k], DTensor) else value[k] for k in keys]
+            if isinstance(value, tuple):
+                setattr(owner, attribute, tuple(whole))
+            else:
+                for k, tensor in zip(keys, whole, strict=True):
+                    value[k] = tensor
+
+
 def make_whole(copy: nn.Module) -> None:
     """After the run, ``copy``'s parameters whole on the CPU again, as the live model's (a collective for each)."""
     for name, param in list(copy.named_parameters()):

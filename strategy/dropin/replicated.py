@@ -17,7 +17,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cuboid import compat
 from cuboid.dropin.after_run import make_plain, refuse_pickling, stays_sharded
-from cuboid.dropin.averaging import check_averaging, make_whole, put_ahead, shard_alike
+from cuboid.dropin.averaging import (
+    check_averaging,
+    make_whole,
+    put_ahead,
+    shard_alike,
+    shard_own_copies,
+    whole_own_copies,
+)
 from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
 from cuboid.dropin.units import explain_freed_weights
 
@@ -69,6 +76,7 @@ class Replicating:
             make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
             for copy in compat.averaged_copies(lm._trainer.callbacks):  # Lightning's weight averaging's, if sharded
                 make_whole(copy)
+            whole_own_copies(lm)
             self.model = lm
             rank_zero_info("Cuboid: the model is whole on every rank again after the run, as DDP leaves it (the next "
                            "fit shards it anew)")  # fmt: skip
@@ -104,6 +112,10 @@ class Replicating:
         for copy in compat.averaged_copies(trainer.callbacks) if sharded and not others else ():
             shard_alike(copy, lm)
             put_ahead(trainer.callbacks)
+        copies = shard_own_copies(lm) if sharded and not others else []
+        if copies:
+            rank_zero_info(f"Cuboid: the module's own copies of its parameters ({', '.join(copies)}) are sharded as "
+                           "the parameters are (cuboid.dropin.averaging)")  # fmt: skip
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward; a forward that differentiates through sharded units itself, said for what it is

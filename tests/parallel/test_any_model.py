@@ -22,6 +22,7 @@ PATTERNS = (
     "method_step",
     "manual_gan",
     "asks_ddp",
+    "own_ema",
 )
 
 
@@ -126,7 +127,7 @@ def test_after_fit_the_model_is_what_ddp_leaves(pattern: str, strategy: str, res
     or not, and each of those calls gives DDP's value."""
     ddp, cuboid = results[f"ddp-{pattern}"]["after_fit"], results[f"{strategy}-{pattern}"]["after_fit"]
     cls = {"root_moduledict": "RootModuleDict", "root_modulelist": "RootModuleList", "abc_lstm": "AbcLstm",
-           "method_step": "MethodStep", "manual_gan": "ManualGan", "asks_ddp": "AsksDdp"}[pattern]  # fmt: skip
+           "method_step": "MethodStep", "manual_gan": "ManualGan", "asks_ddp": "AsksDdp", "own_ema": "OwnEma"}[pattern]  # fmt: skip
     expected = {"class": cls, "model_class": cls, "devices": ["cpu"], "kinds": ["Tensor"]}
     assert {k: ddp[k] for k in expected} == expected, ddp
     assert {k: cuboid[k] for k in expected} == expected, cuboid
@@ -163,6 +164,25 @@ def test_a_library_that_asks_for_ddp_gets_its_ddp_path_and_its_batches(strategy:
     assert any("yields whole batches with automatic batching off" in line for line in single["log"]), single["log"]
     losses = [sum(rank) / 2 for rank in zip(*single["losses"], strict=True)]
     assert len(losses) == 16 and sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cuboid", "cuboid_sharded"])
+def test_a_modules_own_average_validates_as_under_ddp(strategy: str, results) -> None:
+    """A module's own EMA in plain tensors, copied into its parameters for validation (issue 66: sharded, it
+    stopped at the first validation, "got mixed torch.Tensor and DTensor"): sharded as the parameters are, its
+    validation losses (on the average) and the average itself equal DDP's; setup says it."""
+    ddp, cuboid = results["ddp-own_ema"], results[f"{strategy}-own_ema"]
+    assert cuboid["validated"] == pytest.approx(ddp["validated"], rel=LOSS_RTOL, abs=0), (
+        cuboid["validated"],
+        ddp["validated"],
+    )
+    assert len(cuboid["own_average"]) == len(ddp["own_average"]) == 4
+    assert all(
+        (a - b).abs().max() <= PARAM_ATOL for a, b in zip(cuboid["own_average"], ddp["own_average"], strict=True)
+    )
+    said = [w for w in cuboid["log"] if "own copies of its parameters" in w]
+    assert bool(said) == (strategy == "cuboid_sharded") and (not said or "(ema)" in said[0]), said
 
 
 @pytest.mark.slow

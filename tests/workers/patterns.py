@@ -13,6 +13,8 @@ gluonts, darts), written with no thought of Cuboid: what ``fully_shard`` cannot 
   with the whole batch computes what two data-parallel ranks do.
 - ``asks_ddp``: a library's data path chosen by asking ``isinstance(strategy, DDPStrategy)`` (scvi-tools): its own
   ``DistributedSampler`` yielding whole batches, automatic batching off;
+- ``own_ema``: an exponential moving average of its own, kept in plain tensors and copied into the parameters
+  for validation;
 - ``batched_sampler``: the same library's single-process loader (a ``BatchSampler`` passed as ``sampler=``), which
   Lightning makes again around its ``DistributedSamplerWrapper``.
 
@@ -247,9 +249,48 @@ class BatchedSampler(AsksDdp):
     ASK = False
 
 
+class OwnEma(_Regression):
+    """A module's own exponential moving average, as libraries write one: plain copies of its parameters made in
+    ``__init__``, updated after each batch, swapped into the parameters with ``copy_`` for validation and back."""
+
+    DECAY = 0.9
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.ema = [p.detach().clone() for p in self.net.parameters()]
+        self.kept: list[torch.Tensor] = []
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)  # on the average
+        self.val_losses.append(float(loss))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        for average, param in zip(self.ema, self.net.parameters(), strict=True):
+            average.mul_(self.DECAY).add_(param.detach(), alpha=1 - self.DECAY)
+
+    @torch.no_grad()
+    def on_validation_epoch_start(self) -> None:
+        self.kept = [p.detach().clone() for p in self.net.parameters()]
+        for average, param in zip(self.ema, self.net.parameters(), strict=True):
+            param.copy_(average)
+
+    @torch.no_grad()
+    def on_validation_epoch_end(self) -> None:
+        for kept, param in zip(self.kept, self.net.parameters(), strict=True):
+            param.copy_(kept)
+        self.kept = []
+
+
 PATTERNS = {"root_moduledict": RootModuleDict, "root_modulelist": RootModuleList, "abc_lstm": AbcLstm,
             "method_step": MethodStep, "manual_gan": ManualGan, "asks_ddp": AsksDdp,
-            "batched_sampler": BatchedSampler}  # fmt: skip
+            "batched_sampler": BatchedSampler, "own_ema": OwnEma}  # fmt: skip
 
 
 def data(n: int = 64) -> torch.utils.data.TensorDataset:

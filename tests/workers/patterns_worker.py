@@ -84,6 +84,8 @@ def run(spec: dict, out: Path) -> None:
     result = {"losses": losses, "params": final, "best": ckpt.best_model_path,
               "warnings": [str(w.message) for w in caught], "log": log, "pickles": pickles}  # fmt: skip
     result["shapes"] = getattr(module, "shapes", None)
+    result["own_average"] = [t.detach().clone() for t in getattr(module, "ema", [])]  # whole again after the run
+    result["validated"] = module.val_losses if hasattr(module, "val_losses") else None
     copies = compat.averaged_copies(trainer.callbacks)  # Lightning's weight averaging's whole copy, if any
     result["copy_kinds"] = sorted({type(p.data).__name__ for c in copies for p in c.parameters()})
     result["sampler"] = type(trainer.train_dataloader.sampler).__name__
