@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from cuboid import compat
-from cuboid.dropin.replicate import capacity
+from cuboid.dropin.replicate import capacity, first_asked
 
 HOST_SHARE = 2  # whole weights on the host: at most half of what each process has there
 
@@ -33,12 +33,11 @@ HOST_SHARE = 2  # whole weights on the host: at most half of what each process h
 def stays_sharded(module: nn.Module, sizes: dict[str, int], local_processes: int, **asked: Any) -> str | None:
     """Why ``module`` stays sharded after the run (in words), or None: it is made plain. ``sizes``: the degrees
     other than data parallel, by argument name; ``asked``: settings that keep it sharded when set, by name."""
-    others = [f"{name}={value}" for name, value in sizes.items() if value != 1]
-    if others:
-        return f"{', '.join(others)} split it otherwise than over the data-parallel ranks"
-    for name, value in asked.items():
-        if value:
-            return f"{name} is set"
+    if any(value != 1 for value in sizes.values()):
+        return f"{first_asked(sizes, {})} split it otherwise than over the data-parallel ranks"
+    found = first_asked({}, asked)
+    if found is not None:
+        return f"{found} is set"
     need = sum(p.numel() * p.element_size() for p in module.parameters())
     room = capacity(torch.device("cpu"), local_processes)
     if room is not None and need * HOST_SHARE > room:

@@ -64,15 +64,19 @@ def choose(module: nn.Module, capacity: float | None, refused: str | None) -> Re
                               "data_parallel_replicate=N replicates it instead")  # fmt: skip
 
 
+def first_asked(sizes: dict[str, int], asked: dict[str, Any]) -> str | None:
+    """The degrees other than data parallel that are set (``"tensor_parallel=2, pipeline_parallel=2"``), else the
+    first setting that is set, by name, else None."""
+    others = [f"{name}={value}" for name, value in sizes.items() if value != 1]
+    return ", ".join(others) if others else next((name for name, value in asked.items() if value), None)
+
+
 def refusal(module: nn.Module, sizes: dict[str, int], **asked: Any) -> str | None:
     """What asks for sharding, in words, or None: another degree than data parallel, a replica group, offload,
     pretrained weights read per shard, or a model built on the meta device (made shard by shard)."""
-    others = [f"{name}={value}" for name, value in sizes.items() if value != 1]
-    if others:
-        return f"{', '.join(others)} asked for"
-    for name, value in asked.items():
-        if value:
-            return f"{name} asked for"
+    found = first_asked(sizes, asked)
+    if found is not None:
+        return f"{found} asked for"
     if any(p.is_meta for p in module.parameters()):
         return "the model is built on the meta device (made shard by shard)"
     return None
