@@ -38,6 +38,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     specs += [{"name": f"{strategy}-plugin", "strategy": strategy, "module": "method_step", "plugin": True,
                "kwargs": {"checkpoint_format": "full"} if strategy == "cuboid_sharded" else {}}
               for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
+    plan = {"gen.0": "colwise", "gen.2": "rowwise", "disc.0": "colwise", "disc.2": "rowwise"}  # a GAN at tp2
+    specs += [{"name": "cuboid_tp2-manual_gan", "strategy": "cuboid", "module": "manual_gan",
+               "kwargs": {"tensor_parallel": 2, "tensor_parallel_plan": plan}}]  # fmt: skip
     # (not under DDP: Lightning's re-made loader hands the step [[x, y]] for (x, y), and it stops)
     specs += [{"name": f"{strategy}-batched_sampler", "strategy": strategy, "module": "batched_sampler"}
               for strategy in ("cuboid", "cuboid_sharded")]  # fmt: skip
@@ -212,10 +215,9 @@ def test_lightnings_weight_averaging_gives_ddps_numbers(averaging: str, strategy
         assert _close(mine["params"], theirs["params"]) and _close(mine["average"], theirs["average"])
 
 
-@pytest.fixture(scope="module")
-def one_process() -> dict:
-    """The GAN in one process, the two ranks' batches as one: 8 samples a step in ``DistributedSampler``'s order
-    (the same permutation the two ranks deal, rank 0 every even position), the same seed and epochs."""
+def _gan_in_one_process(batch_size: int) -> dict:
+    """The GAN in one process, ``batch_size`` samples a step in ``DistributedSampler``'s order, the same seed and
+    epochs."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(WORKERS))
@@ -227,8 +229,27 @@ def one_process() -> dict:
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         num_sanity_val_steps=0, use_distributed_sampler=False)  # fmt: skip
     sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer.fit(module, DataLoader(data(), batch_size=8, sampler=sampler))
+    trainer.fit(module, DataLoader(data(), batch_size=batch_size, sampler=sampler))
     return {"losses": module.step_losses, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The two ranks' batches as one: 8 samples a step (the permutation the two ranks deal, rank 0 every even
+    position)."""
+    return _gan_in_one_process(8)
+
+
+@pytest.mark.slow
+def test_manual_optimization_at_tp2_matches_one_process(results) -> None:
+    """The same GAN at tp2 (both ranks read the same 4 samples; each Linear split column- then row-wise): every
+    step's losses and the final weights equal one process's on those 4 samples (issue 66's manual optimization
+    on every layout that allows it; pp refuses it by name)."""
+    got, one = results["cuboid_tp2-manual_gan"], _gan_in_one_process(4)
+    for rank in got["losses"]:  # each tp rank's own step losses: the same batch
+        assert len(rank) == 16
+        assert max(abs(a - b) / abs(b) for a, b in zip(rank, one["losses"], strict=True)) <= LOSS_RTOL
+    assert max((got["params"][k] - v).abs().max().item() for k, v in one["params"].items()) <= PARAM_ATOL
 
 
 @pytest.mark.slow
