@@ -64,7 +64,8 @@ def _drop_fsdp(unit: nn.Module) -> None:
 
     state = unit._get_fsdp_state()  # type: ignore[operator]
     handles = {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle) if h is not None}
-    for group in state._fsdp_param_groups:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 keeps one, _fsdp_param_group
+    for group in groups if groups is not None else [g for g in [state._fsdp_param_group] if g is not None]:
         for table in (
             group._module_to_pre_save_state_dict_hook_handle,
             group._module_to_pre_load_state_dict_hook_handle,
