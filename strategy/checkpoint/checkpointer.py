@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from cuboid import compat
@@ -48,6 +47,7 @@ from cuboid.checkpoint.full import FullFormat
 from cuboid.checkpoint.lightning import LightningFormat
 from cuboid.checkpoint.resume import DataPosition
 from cuboid.checkpoint.sharded import CheckpointDamaged, ShardedFormat, checkpoints_newest_first
+from cuboid.dropin import whole_weights
 from cuboid.storage import RemotePath
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (ShardedFormat(), FullFormat())}  # what Cuboid writes
@@ -159,8 +159,7 @@ class Checkpointer:
                     f"which CuboidStrategy(checkpoint_format={self.format!r}) cannot write as Lightning's DDP does: "
                     "set CuboidStrategy(checkpoint_format='full')."
                 )
-            checkpoint["state_dict"] = {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v
-                                        for k, v in (given or {}).items()}  # fmt: skip
+            checkpoint["state_dict"] = whole_weights(given or {})  # a collective for each DTensor, every rank
         # Lightning leaves out optimizer_states for ModelCheckpoint(save_weights_only=True): so do we.
         optimizers = optimizers if checkpoint.pop("optimizer_states", None) is not None else []
         data = self.position.saved(trainer, checkpoint, dp)

@@ -25,7 +25,7 @@ from cuboid.dropin.averaging import (
     shard_own_copies,
     whole_own_copies,
 )
-from cuboid.dropin.replicate import choose_replication, has_unused_parameters, replicate_module
+from cuboid.dropin.replicate import choose_replication, first_asked, has_unused_parameters, replicate_module
 from cuboid.dropin.units import explain_freed_weights
 
 
@@ -105,14 +105,18 @@ class Replicating:
         (:mod:`cuboid.dropin.averaging`)."""
         self.checkpointer.use_checkpoint_io(self.checkpoint_io)  # type: ignore[attr-defined]
         lm: Any = self.lightning_module  # type: ignore[attr-defined]
-        others = [f"{name}={value}" for name, value in self._other_degrees().items() if value != 1]
+        others = first_asked(self._other_degrees(), {})  # "tensor_parallel=2, ...", or None: data parallel only
         sharded = any(True for _ in compat.fsdp_units(lm))
         files = sharded and self.checkpointer.format == "sharded" and bool(trainer.checkpoint_callbacks)  # type: ignore[attr-defined]
-        check_averaging(trainer.callbacks, f"{', '.join(others)} split it" if others else None, files)
-        for copy in compat.averaged_copies(trainer.callbacks) if sharded and not others else ():
+        check_averaging(trainer.callbacks, f"{others} split it" if others else None, files)
+        if not sharded or others is not None:
+            return
+        averaged = compat.averaged_copies(trainer.callbacks)
+        for copy in averaged:
             shard_alike(copy, lm)
+        if averaged:
             put_ahead(trainer.callbacks)
-        copies = shard_own_copies(lm) if sharded and not others else []
+        copies = shard_own_copies(lm)
         if copies:
             rank_zero_info(f"Cuboid: the module's own copies of its parameters ({', '.join(copies)}) are sharded as "
                            "the parameters are (cuboid.dropin.averaging)")  # fmt: skip
