@@ -261,7 +261,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         elif self.settings.replicate_if_it_fits and self.replicate_if_it_fits(lm, fault_tolerance=self.replicas):
             self.buffers, self.checkpointer.format = BufferBroadcast(False), self._replicated_format  # DDP's own
         else:
-            self._parallelize(lm, self._restored(trainer, lm))
+            with self.noting_build(lm):  # what the build hooks on, taken away again after the run (dropin.replicated)
+                self._parallelize(lm, self._restored(trainer, lm))
         self.settle_for_libraries(trainer)  # a CheckpointIO plugin, weight averaging (cuboid.dropin.replicated)
         self._pretrained_loaded = True  # a later fit/validate on the same model keeps what it has learned
         self.checkpointer.make_group()
@@ -291,9 +292,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         return device_bytes(self.root_device, self.settings.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
-        """Choose the route: a pipelined build keeps this rank's stages and parallelizes each; a plain build
-        parallelizes the whole module. Weights are prepared before either and filled once sharded (``restored``:
-        names a checkpoint will fill, left uninitialised)."""
+        """Choose the route: a pipelined build keeps this rank's stages and parallelizes each, a plain one the whole
+        module. Weights are prepared before either, filled once sharded (``restored``: a checkpoint fills them)."""
         matched = resolve_plan(lm, self.settings.tensor_parallel_plan, self.layout.tp)
         matched, self.loss_parallel.enabled = with_loss_parallel(matched, self.layout.pp, self.layout.cp)
         mesh, pipelined = self.device_mesh, self.pipelining.enabled

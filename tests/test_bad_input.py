@@ -609,7 +609,7 @@ def _pickle_kept_sharded() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
-        refuse_pickling(model, "tensor_parallel=2 split it otherwise than over the data-parallel ranks")
+        refuse_pickling(model, "pipeline_parallel=2 split it otherwise than over the data-parallel ranks")
         pickle.dumps(model)
     finally:
         if started:
@@ -811,7 +811,7 @@ CASES.update(
         "pickling a model kept sharded after the run": (
             _pickle_kept_sharded,
             TypeError,
-            r"FSDPLinear cannot be pickled: CuboidStrategy keeps it sharded after the run \(tensor_parallel=2 split "
+            r"FSDPLinear cannot be pickled: CuboidStrategy keeps it sharded after the run \(pipeline_parallel=2 split "
             r"it .*\), each rank holding only its slices\. Save it with trainer.save_checkpoint\(path\) and read the "
             r"whole weights with "
             r"cuboid.read_model_weights\(path\)",

@@ -957,6 +957,51 @@ def test_fully_shard_undone_leaves_the_users_class_plain_parameters_and_no_fsdp_
             dist.destroy_process_group()
 
 
+def _count_call(module: torch.nn.Module, args: tuple) -> None:
+    module.calls = getattr(module, "calls", 0) + 1
+
+
+def test_tensor_parallels_hooks_are_told_apart_and_dropped_with_its_dtensors_made_whole() -> None:
+    """``parallelize_module`` keeps no handle for the hooks it registers: ``compat.hook_keys`` before and after
+    names them (a hook the user had stays), ``compat.drop_hooks`` removes them from every table
+    (``with_kwargs`` companions included), and ``unshard_for_good`` makes its DTensor parameters plain, so the
+    module computes what it did, on plain tensors, and pickles."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        model[0].register_forward_pre_hook(_count_call)  # the user's own: it stays
+        x = torch.randn(3, 4)
+        want = model(x)
+        before = compat.hook_keys(model)
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        after = compat.hook_keys(model)
+        added = {m: {t: keys - before[m][t] for t, keys in tables.items()} for m, tables in after.items()}
+        assert all(added[model[i]]["_forward_pre_hooks"] for i in (0, 2)), added  # tensor parallel's input hooks
+        assert isinstance(model[0].weight, DTensor)
+        compat.unshard_for_good(model, torch.device("cpu"))
+        compat.drop_hooks(added)
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+        assert len(model[0]._forward_pre_hooks) == 1 and not model[2]._forward_pre_hooks
+        assert not model[0]._forward_hooks and not model[2]._forward_hooks
+        got = model(x)
+        assert type(got) is torch.Tensor and torch.allclose(got, want) and model[0].calls == 2
+        assert type(pickle.loads(pickle.dumps(model))) is torch.nn.Sequential
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert isinstance(model[0].weight, DTensor)  # distribute_module's once-only mark went with the DTensors
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def test_lightning_keeps_the_sampler_it_wraps_and_a_loader_can_turn_batching_off_again() -> None:
     """What :func:`cuboid.compat.wrapped_sampler` and :func:`cuboid.compat.batch_per_sample` read and change:
     Lightning's ``DistributedSamplerWrapper`` keeps the sampler it wraps in ``dataset._sampler``; a loader made with

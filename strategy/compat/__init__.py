@@ -397,4 +397,4 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     start_dtensor_rng,
     unflatten_mesh,
 )
-from cuboid.compat.fsdp import fsdp_units, unshard_for_good  # noqa: E402, F401  (FSDP2 undone after a run)
+from cuboid.compat.fsdp import drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401

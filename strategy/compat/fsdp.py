@@ -18,6 +18,15 @@ from torch 2.11-2.13's ``torch/distributed/fsdp/_fully_shard``:
   the function the wrapped method's).
 
 ``tests/test_compat.py`` pins each of these names, so a torch that moves one fails there first.
+
+Tensor parallel's ``parallelize_module`` keeps no handles for the forward hooks it registers
+(``torch/distributed/tensor/_api.py`` ``distribute_module``: ``module.register_forward_pre_hook(lambda ...)``).
+:func:`hook_keys` reads the keys of a module's forward-hook tables (``nn.Module._forward_pre_hooks``,
+``_forward_hooks`` and their ``_with_kwargs`` / ``_always_called`` companions, ``torch/nn/modules/module.py``), so
+that the hooks a build added can be told apart and :func:`drop_hooks` can take them away as ``RemovableHandle.remove``
+does (``torch/utils/hooks.py``: the key deleted from the table and from each companion). ``distribute_module``
+also marks each module it parallelized (``module._distribute_module_applied = True``, and refuses a marked one):
+:func:`unshard_for_good` takes the mark away with the DTensors, so tensor parallel can split the module again.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 _WRAPPED_METHOD = "register_fsdp_forward_method.<locals>.wrapped_method"
+_DISTRIBUTED_MARK = "_distribute_module_applied"  # torch/distributed/tensor/_api.py distribute_module
 
 
 def fsdp_units(root: nn.Module) -> list[nn.Module]:
@@ -37,9 +47,29 @@ def fsdp_units(root: nn.Module) -> list[nn.Module]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+_COMPANIONS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def hook_keys(root: nn.Module) -> dict[nn.Module, dict[str, set[int]]]:
+    """Each module under ``root`` -> its forward-hook tables' keys, by table name."""
+    return {module: {table: set(getattr(module, table)) for table in _HOOK_TABLES} for module in root.modules()}
+
+
+def drop_hooks(added: dict[nn.Module, dict[str, set[int]]]) -> None:
+    """Remove the forward hooks ``added`` names (what :func:`hook_keys` read after a build, less what it read
+    before), as their ``RemovableHandle.remove`` would."""
+    for module, tables in added.items():
+        for table, keys in tables.items():
+            for key in keys:
+                getattr(module, table).pop(key, None)
+                for companion in _COMPANIONS:
+                    getattr(module, companion, {}).pop(key, None)
+
+
 def unshard_for_good(root: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
-    """Make every ``fully_shard`` unit under ``root`` a plain module of its own class again, each parameter whole
-    on ``device`` (a new ``nn.Parameter``, its ``requires_grad`` kept; tied parameters stay tied). A collective
+    """Make every ``fully_shard`` unit under ``root`` a plain module of its own class again, each parameter (and
+    DTensor buffer: tensor parallel's) whole on ``device`` (a new ``nn.Parameter``, its ``requires_grad`` kept; tied parameters stay tied). A collective
     over each parameter's mesh, in parameter order: every rank of the mesh calls it. Returns the new parameters by
     the ``id`` of the ones they replace."""
     units = fsdp_units(root)
@@ -55,6 +85,10 @@ def unshard_for_good(root: nn.Module, device: torch.device) -> dict[int, nn.Para
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in whole:
                 module._parameters[name] = whole[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if isinstance(buffer, DTensor):  # (collective too: buffers in module order, the same on every rank)
+                module._buffers[name] = buffer.full_tensor().to(device)
+        module.__dict__.pop(_DISTRIBUTED_MARK, None)  # tensor parallel's "applied once" mark
     return whole
 
 

@@ -6,11 +6,13 @@ After ``fit`` a library calls its own methods on the model (scvi-tools' ``module
 saves ``state_dict()`` for a plain module to load, and pickles it whole (darts, ``torch.save(model)``). On a
 sharded model each of those meets DTensors or FSDP2's swapped class ``FSDP<Name>``, which pickle cannot find. So at
 the end of a run that finished (every rank there: the gather is a collective), a model FSDP2 sharded over the
-data-parallel ranks is made plain again (:func:`cuboid.compat.fsdp.unshard_for_good`); the next ``fit``,
-``validate`` or ``test`` shards it anew, as it does a fresh model. A layout that split the model otherwise (tensor,
-pipeline, context or expert parallel, activation checkpointing's wrappers, offloaded shards) stays sharded; so does
-a model whose whole weights would take more than half of what each process has in host memory. Pickling one of
-those is refused by name (:func:`refuse_pickling`), saying what to call instead.
+data-parallel ranks, or split by Cuboid's own tensor parallel (with or without FSDP2), is made plain again
+(:func:`cuboid.compat.fsdp.unshard_for_good`, and the forward hooks the build added dropped); the next ``fit``,
+``validate`` or ``test`` shards it anew, as it does a fresh model. A layout that split the model otherwise
+(pipeline, context or expert parallel, tensor parallel applied by the user's own ``configure_model``, activation
+checkpointing, offloaded shards) stays sharded; so does a model whose whole weights would take more than half of
+what each process has in host memory. Pickling one of those is refused by name (:func:`refuse_pickling`), saying
+what to call instead.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ HOST_SHARE = 2  # whole weights on the host: at most half of what each process h
 
 def stays_sharded(module: nn.Module, sizes: dict[str, int], local_processes: int, **asked: Any) -> str | None:
     """Why ``module`` stays sharded after the run (in words), or None: it is made plain. ``sizes``: the degrees
-    other than data parallel, by argument name; ``asked``: settings that keep it sharded when set, by name."""
+    that keep it sharded when above 1, by argument name; ``asked``: settings that keep it sharded when set."""
     if any(value != 1 for value in sizes.values()):
         return f"{first_asked(sizes, {})} split it otherwise than over the data-parallel ranks"
     found = first_asked({}, asked)
@@ -83,6 +85,6 @@ class _Refusal:
             f"{self.name} cannot be pickled: CuboidStrategy keeps it sharded after the run ({self.reason}), each rank "
             "holding only its slices. Save it with trainer.save_checkpoint(path) and read the whole weights with "
             "cuboid.read_model_weights(path) into a model built anew (with checkpoint_format='full', "
-            "Model.load_from_checkpoint(path) reads the file); or train with the data-parallel layout alone, after "
+            "Model.load_from_checkpoint(path) reads the file); or train with data and tensor parallel alone, after "
             "which the model is plain again."
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from cuboid import compat
@@ -34,7 +37,20 @@ class Replicating:
     ``root_device``, ``num_processes``, ``cpu_offload``, ``pretrained`` and ``precision_plugin``)."""
 
     _unsharpened_steps: int | None = None  # under DDP: batches seen while it still looks for unused parameters
+    _build_hooks: dict[nn.Module, dict[str, set[int]]] | None = None  # the forward hooks Cuboid's own build added
     model: Any
+
+    @contextmanager
+    def noting_build(self, lm: nn.Module) -> Iterator[None]:
+        """Around Cuboid's own build of ``lm``: the forward hooks it adds (tensor parallel's keep no handle), so
+        that the run's end can take them away with the sharding (:meth:`end_run`)."""
+        before = compat.hook_keys(lm)
+        self._build_hooks = None
+        yield
+        empty: dict[str, set[int]] = {}
+        self._build_hooks = {module: {table: keys - before.get(module, empty).get(table, set())
+                                      for table, keys in tables.items()}
+                             for module, tables in compat.hook_keys(lm).items()}  # fmt: skip
 
     def replicate_if_it_fits(self, lm: nn.Module, **asked: Any) -> bool:
         """The default data-parallel layout: ``lm`` under DDP when it fits each process with room to spare and
@@ -67,13 +83,15 @@ class Replicating:
         if isinstance(self.model, DistributedDataParallel):
             self.model = lm  # DDPStrategy.teardown
             compat.optimizers_to_device(self.optimizers, torch.device("cpu"))  # type: ignore[attr-defined]
-        elif any(True for _ in compat.fsdp_units(lm)):
+        elif any(True for _ in compat.fsdp_units(lm)) or any(isinstance(p, DTensor) for p in lm.parameters()):
             reason = self._stays_sharded(lm)
             if reason is not None:
                 refuse_pickling(lm, reason)
                 return
             fitted = lm._trainer.state.fn == TrainerFn.FITTING  # the optimizers are this run's
             make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
+            compat.drop_hooks(self._build_hooks or {})  # tensor parallel's, and the step's (the next build adds them)
+            self._build_hooks = None
             for copy in compat.averaged_copies(lm._trainer.callbacks):  # Lightning's weight averaging's, if sharded
                 make_whole(copy)
             whole_own_copies(lm)
@@ -87,8 +105,10 @@ class Replicating:
         trainer = getattr(lm, "_trainer", None)
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             return "the run stopped on an error"  # a peer may be gone: no collective now
-        settings = self.settings  # type: ignore[attr-defined]
-        return stays_sharded(lm, self._other_degrees(), self.num_processes,  # type: ignore[attr-defined]
+        settings, degrees = self.settings, self._other_degrees()  # type: ignore[attr-defined]
+        if self._build_hooks is not None:  # Cuboid's own tensor parallel: its hooks known, undone with the sharding
+            degrees.pop("tensor_parallel")
+        return stays_sharded(lm, degrees, self.num_processes,  # type: ignore[attr-defined]
                              activation_checkpointing=settings.activation_checkpointing,
                              cpu_offload=settings.cpu_offload,
                              fault_tolerance=getattr(self, "replicas", None) is not None)  # fmt: skip

@@ -39,7 +39,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
                "kwargs": {"checkpoint_format": "full"} if strategy == "cuboid_sharded" else {}}
               for strategy in ("ddp", "cuboid", "cuboid_sharded")]  # fmt: skip
     plan = {"gen.0": "colwise", "gen.2": "rowwise", "disc.0": "colwise", "disc.2": "rowwise"}  # a GAN at tp2
-    specs += [{"name": "cuboid_tp2-manual_gan", "strategy": "cuboid", "module": "manual_gan",
+    specs += [{"name": "cuboid_tp2-manual_gan", "strategy": "cuboid", "module": "manual_gan", "fit_again": True,
                "kwargs": {"tensor_parallel": 2, "tensor_parallel_plan": plan}}]  # fmt: skip
     # (not under DDP: Lightning's re-made loader hands the step [[x, y]] for (x, y), and it stops)
     specs += [{"name": f"{strategy}-batched_sampler", "strategy": strategy, "module": "batched_sampler"}
@@ -215,9 +215,9 @@ def test_lightnings_weight_averaging_gives_ddps_numbers(averaging: str, strategy
         assert _close(mine["params"], theirs["params"]) and _close(mine["average"], theirs["average"])
 
 
-def _gan_in_one_process(batch_size: int) -> dict:
+def _gan_in_one_process(batch_size: int, start: dict | None = None, epochs: int = 2, batches: int = 8) -> dict:
     """The GAN in one process, ``batch_size`` samples a step in ``DistributedSampler``'s order, the same seed and
-    epochs."""
+    epochs (``start``: its weights before the fit, else its seeded init)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(WORKERS))
@@ -225,12 +225,18 @@ def _gan_in_one_process(batch_size: int) -> dict:
 
     L.seed_everything(0, verbose=False)
     module = ManualGan()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=8, logger=False,
+    if start is not None:
+        module.load_state_dict(start)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=batches, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         num_sanity_val_steps=0, use_distributed_sampler=False)  # fmt: skip
     sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
     trainer.fit(module, DataLoader(data(), batch_size=batch_size, sampler=sampler))
-    return {"losses": module.step_losses, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    x, y = data(8)[:]
+    with torch.no_grad():  # what a library reads after fit (patterns_worker._after_fit)
+        after = {"method": float(module.loss((x, y))), "predict_step": float(module.predict_step((x, y), 0).sum())}
+    return {"losses": list(module.step_losses), "after_fit": after,
+            "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +256,28 @@ def test_manual_optimization_at_tp2_matches_one_process(results) -> None:
         assert len(rank) == 16
         assert max(abs(a - b) / abs(b) for a, b in zip(rank, one["losses"], strict=True)) <= LOSS_RTOL
     assert max((got["params"][k] - v).abs().max().item() for k, v in one["params"].items()) <= PARAM_ATOL
+
+
+@pytest.mark.slow
+def test_after_a_tp2_fit_the_model_is_plain_and_the_next_fit_splits_it_again(results) -> None:
+    """After fit at tp2 (Cuboid's own tensor parallel) a library's calls meet what DDP leaves (issue 66, item 3):
+    on both ranks the user's class with plain whole tensors on the CPU, tensor parallel's hooks gone, so a method
+    other than ``forward``, ``predict_step``, ``state_dict()`` into a plain module and ``pickle`` each give one
+    process's value on its final weights; a second fit of the same module splits it again and follows one process
+    from those weights (its 4 steps, a fresh optimizer, the sampler's first epoch)."""
+    got, one = results["cuboid_tp2-manual_gan"], _gan_in_one_process(4)
+    expected = {"class": "ManualGan", "model_class": "ManualGan", "devices": ["cpu"], "kinds": ["Tensor"]}
+    after = got["after_fit"]
+    assert {k: after[k] for k in expected} == expected, after
+    for call in ("method", "predict_step", "plain_load", "unpickled"):
+        want = one["after_fit"]["predict_step" if call == "predict_step" else "method"]
+        assert isinstance(after[call], float), (call, after[call])
+        assert abs(after[call] - want) <= LOSS_RTOL * abs(want), (call, after[call], want)
+    again = _gan_in_one_process(4, start=one["params"], epochs=1, batches=4)
+    assert len(got["again"]["losses"]) == len(again["losses"]) == 4
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["again"]["losses"], again["losses"], strict=True)) <= LOSS_RTOL
+    assert max((got["again"]["params"][k] - v).abs().max().item() for k, v in again["params"].items()) <= PARAM_ATOL
+    assert any("whole on every rank again after the run" in line for line in got["log"]), got["log"]
 
 
 @pytest.mark.slow
