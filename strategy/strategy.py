@@ -283,7 +283,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
         if fitting and self.replicas is not None:  # torchft's manager and the gradient average over groups
             roots = [lm, *(stage.submod for stage in getattr(self.pipelining.runner, "stages", ()))]  # pp: stages too
-            self.replicas.start(trainer, roots, self.checkpointer.position, self.distributed_sampler_kwargs)
+            self.replicas.start(trainer, roots, self.checkpointer.position, self.distributed_sampler_kwargs, self.root_device)  # fmt: skip
 
     def _pretrained(self) -> Mapping[str, Any]:  # the first fit's only: a later one keeps what it learned
         return {} if self._pretrained_loaded else self.settings.pretrained

@@ -187,12 +187,18 @@ class ReplicaGroups:
             ) from None
 
     def start(
-        self, trainer: Any, roots: Iterable[nn.Module], position: DataPositionKeeper, dealt: Mapping[str, int]
+        self,
+        trainer: Any,
+        roots: Iterable[nn.Module],
+        position: DataPositionKeeper,
+        dealt: Mapping[str, int],
+        device: torch.device,
     ) -> None:
         """Start torchft's manager for a fit. Handed by the strategy: the trainer (its loop state, module,
         optimizers and schedulers, which the heal sends and takes), ``roots`` (the modules whose FSDP units get
         the average over groups), the checkpointer's data ``position`` and ``dealt``, Lightning's sampler split
-        over every group's data-parallel ranks (``rank``, ``num_replicas``)."""
+        over every group's data-parallel ranks (``rank``, ``num_replicas``), and the ``device`` the model trains
+        on (the groups' process group serves it)."""
         # torchft's Rust side logs every quorum and commit at INFO (Cuboid prints the joins and heals); a RUST_LOG
         # of the user's own is kept
         os.environ.setdefault("RUST_LOG", "warn")
@@ -216,7 +222,7 @@ class ReplicaGroups:
             )
         timeout = timedelta(seconds=self.config.timeout)
         self.manager = Manager(
-            pg=self._process_group(timeout),
+            pg=self.process_group(timeout, device),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=self.config.min_replicas,
@@ -249,8 +255,10 @@ class ReplicaGroups:
         )
 
     @staticmethod
-    def _process_group(timeout: timedelta) -> Any:
-        if torch.cuda.is_available():
+    def process_group(timeout: timedelta, device: torch.device) -> Any:
+        """torchft's process group for the average over groups, by the ``device`` the gradients live on (NCCL for
+        CUDA, gloo otherwise: ``accelerator="cpu"`` on a GPU host trains on the host), not by what the host has."""
+        if device.type == "cuda":
             from torchft.process_group import ProcessGroupNCCL
 
             return ProcessGroupNCCL(timeout=timeout)

@@ -251,6 +251,24 @@ def test_a_heal_sends_host_copies_of_this_ranks_shards() -> None:
     assert state["opt"][0]["step"] == 3 and state["opt"][0]["exp_avg"].device.type == "cpu"
 
 
+def test_the_groups_process_group_follows_the_training_device_not_the_host(monkeypatch) -> None:
+    """``accelerator="cpu"`` on a GPU host trains on the host: the average over groups takes gloo there (NCCL
+    would take host tensors and fail at the first backward), and NCCL only for a CUDA device (issue 67, item 6)."""
+    from datetime import timedelta
+
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from cuboid.replicas.groups import ReplicaGroups
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as the choice once read it
+    made = ReplicaGroups.process_group(timedelta(seconds=5), torch.device("cpu"))
+    assert isinstance(made, ProcessGroupGloo) and not isinstance(made, ProcessGroupNCCL), type(made)
+    chosen: list[str] = []
+    monkeypatch.setattr(ProcessGroupNCCL, "__init__", lambda self, timeout: chosen.append("nccl"))
+    ReplicaGroups.process_group(timedelta(seconds=5), torch.device("cuda", 0))
+    assert chosen == ["nccl"]
+
+
 def test_the_ledger_books_the_average_over_groups_as_the_parameter_shards_bytes(runs) -> None:
     """CommLedger books torchft's all-reduces under ``replica_groups``: on a step with both groups, each rank sends
     its gradient shards once, the bytes of its own parameter shards."""
