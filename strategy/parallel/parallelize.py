@@ -307,10 +307,15 @@ def apply_fsdp(
                 register_fsdp_forward_method(root, method)
         else:
             shard(root)
-        sharded: list[FSDPModule] = [b for _, b in blocks]  # type: ignore[misc]
-        for prev, nxt in zip(sharded, sharded[1:], strict=False):
-            prev.set_modules_to_forward_prefetch([nxt])
-            nxt.set_modules_to_backward_prefetch([prev])
+        # Each block's all-gather is issued a block ahead, its MoE layers' experts (units of their own, the bulk of
+        # a block's bytes) with it, as torchtitan's llama4 does: else they are gathered just in time, after the router
+        units: list[tuple[FSDPModule, list[FSDPModule]]] = [
+            (block, [m for _, m in experts_modules(block)] if experts is not None else [])  # type: ignore[misc]
+            for _, block in blocks
+        ]
+        for (prev, prev_experts), (nxt, nxt_experts) in zip(units, units[1:], strict=False):
+            prev.set_modules_to_forward_prefetch([nxt, *nxt_experts])
+            nxt.set_modules_to_backward_prefetch([prev, *prev_experts])
 
 
 def parallelize(

@@ -66,3 +66,57 @@ def test_tokens_reach_the_ranks_holding_their_experts_with_the_unsharded_layers_
     for case, worst in found.items():
         assert max(worst.values()) < 1e-5, (case, worst)
         assert {"out", "dx", "dgate_up_proj", "ddown_proj"} <= set(worst), (case, worst)
+
+
+class _Experts(torch.nn.Module):  # what experts_modules takes for transformers' packed experts
+    is_transposed, has_gate, num_experts = False, False, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.sum(0)
+
+
+class _MoeBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.experts = torch.nn.Linear(4, 4), _Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.router(x))
+
+
+def test_each_block_prefetches_the_next_blocks_experts_with_it() -> None:
+    """Under expert parallel each MoE layer's experts are an FSDP unit of their own, the bulk of a block's bytes:
+    the block before issues their all-gather with the next block's in forward, and the block after with the one
+    before in backward (issue 67, item 7; torchtitan's llama4 does the same), so none waits for its router."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from cuboid.parallel.mesh import ExpertsLayout
+    from cuboid.parallel.parallelize import apply_fsdp
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        root = torch.nn.Sequential(*(_MoeBlock() for _ in range(3)))
+        blocks = [(str(i), block) for i, block in enumerate(root)]
+        apply_fsdp([(root, blocks)], mesh, MixedPrecisionPolicy(), experts=ExpertsLayout(mesh, mesh, 1))
+
+        def named(states: list) -> list[str]:  # FSDP2's prefetch lists hold states: back to the modules' names
+            names = {id(m._get_fsdp_state()): n for n, m in root.named_modules() if hasattr(m, "_get_fsdp_state")}
+            return [names[id(state)] for state in states]
+
+        forward = [named(root[i]._get_fsdp_state()._states_to_forward_prefetch) for i in range(3)]
+        backward = [named(root[i]._get_fsdp_state()._states_to_backward_prefetch) for i in range(3)]
+        assert forward == [["1", "1.experts"], ["2", "2.experts"], []], forward
+        assert backward == [[], ["0", "0.experts"], ["1", "1.experts"]], backward
+        root(torch.randn(2, 4)).sum().backward()  # (and the prefetches run)
+    finally:
+        if started:
+            dist.destroy_process_group()
