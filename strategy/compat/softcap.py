@@ -135,7 +135,7 @@ def _flex_call(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """FlexAttention over the block with the soft-cap as its ``score_mod`` and the block's window, diagonal and padding
     as ``-inf`` scores (tensors it reads by index, so one compiled kernel serves every block), and its log-sum-exp."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # (return_lse: deprecated in 2.13)
 
     rows, keys = query.shape[2], key.shape[2]
     left, right = shape.window or (None, None)
@@ -152,6 +152,6 @@ def _flex_call(
         return torch.where(seen, softcap * torch.tanh(score / softcap), -INF)
 
     run = _compiled_flex() if compiled else flex_attention
-    out, lse = run(query, key, value, score_mod=score_mod, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
-                   return_lse=True)  # fmt: skip
-    return out, lse
+    out, aux = run(query, key, value, score_mod=score_mod, scale=scale, enable_gqa=key.shape[1] != query.shape[1],
+                   return_aux=AuxRequest(lse=True))  # fmt: skip
+    return out, aux.lse
