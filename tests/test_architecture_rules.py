@@ -77,7 +77,6 @@ ALLOWED = {
     ("experts/dispatch.py", "replay[0].taken"): "the module's own RoutingReplay record (made by it, reached through "
     "its ContextVar): how many recorded routings a recompute has taken",
     # the main job (floor 6, above strategy.py): it builds the strategy and the Trainer and uses them as a user does
-    ("train/job.py", "trainer.strategy"): "the main job logs the cluster environment of the Trainer it built",
     ("train/job.py", "strategy.checkpointer.fall_back_when_damaged"): "the main job's ckpt_path=auto: a damaged "
     "checkpoint makes way for an earlier one, on the strategy it built",
 }
@@ -267,6 +266,44 @@ def fine(cfg):
         "wing/planted.py:8: plugin.__dict__['log'] (sets an attribute of an object it did not make)",
         "wing/planted.py:15: self.given.ready (sets an attribute of an object it did not make)",
     ], found
+
+
+def bypassing_imports(source: str, where: str, wings: set[str]) -> list[str]:
+    """Each import in ``source`` (the module ``where`` under strategy/) of a module inside another wing
+    (``cuboid.<wing>.<module>``) rather than through that wing's face (``cuboid.<wing>``)."""
+    parts = where.split("/")
+    own = parts[0] if len(parts) > 1 else None
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            dotted = name.split(".")
+            if dotted[0] == "cuboid" and len(dotted) > 2 and dotted[1] in wings and dotted[1] != own:
+                found.append(
+                    f"{where}:{node.lineno}: {name} (inside the wing {dotted[1]}: import from cuboid.{dotted[1]})"
+                )
+    return found
+
+
+def test_wings_are_reached_through_their_faces() -> None:
+    """A module imports another wing's names from that wing's ``__init__`` (its face), never from a module inside
+    it (issue 67, item 12: ``cuboid.data`` read ``cuboid.train.data``, ``checkpoint/pretrained.py``
+    ``cuboid.compat.hf``), so a wing can move its insides without its users knowing."""
+    wings = {path.name for path in STRATEGY.iterdir() if (path / "__init__.py").is_file()}
+    found = [hit for path in sorted(STRATEGY.rglob("*.py"))
+             for hit in bypassing_imports(path.read_text(), path.relative_to(STRATEGY).as_posix(), wings)]  # fmt: skip
+    assert not found, "\n".join(found)
+    planted = "from cuboid.compat.hf import saved_names\nimport cuboid.train.data\nfrom cuboid.compat import hf\n"
+    assert bypassing_imports(planted, "checkpoint/pretrained.py", wings) == [
+        "checkpoint/pretrained.py:1: cuboid.compat.hf (inside the wing compat: import from cuboid.compat)",
+        "checkpoint/pretrained.py:2: cuboid.train.data (inside the wing train: import from cuboid.train)",
+    ]
+    assert bypassing_imports("from cuboid.train.data import TokenDataModule\n", "train/job.py", wings) == []
 
 
 def test_the_top_level_is_left_to_the_glue() -> None:

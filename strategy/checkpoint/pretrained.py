@@ -22,9 +22,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from cuboid import compat
 from cuboid.adapters import base_name, is_adapter_name, peft_models
 from cuboid.checkpoint.packed import PackedExperts, per_expert_keys, saved_name
-from cuboid.compat.hf import saved_names
 
 # safetensors dtype names: those Cuboid reads into floating-point parameters (cast to the parameter's dtype), then
 # every name it maps to a torch dtype (and back, for DCP metadata and a full file).
@@ -189,7 +189,7 @@ def plan_submodule(lm: nn.Module, submodule: str, path: str | Path) -> Plan:
             candidates["adapter"] = {name: names.get(name, name) for name in tensors}
         candidates["1:1"] = {name: name for name in tensors}
         candidates["prefixed"] = {name: prefix + name for name in tensors}
-        renamed = saved_names(module, source.tensors) if source.kind == "safetensors" else {}
+        renamed = compat.saved_names(module, source.tensors) if source.kind == "safetensors" else {}
         if renamed:  # transformers' own renames of what it saves (LLaVA's language_model.model.layers...)
             candidates["by transformers' renames"] = {name: renamed.get(name, name) for name in tensors}
     label, keys = max(candidates.items(), key=lambda kv: sum(k in source.tensors for k in kv[1].values()))

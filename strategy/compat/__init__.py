@@ -365,9 +365,7 @@ from cuboid.compat.attention import (  # noqa: E402, F401
     window_mask,
 )
 from cuboid.compat.callbacks import averaged_copies  # noqa: E402, F401  (weight averaging's whole copy)
-
-# --- CUDA kernels' preconditions, checked on CPU: cuboid/compat/contracts.py ---------------------------------------
-from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401
+from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401  (CUDA's preconditions)
 
 # --- litdata's StreamingDataset, Lightning's DataLoader workers and samplers: cuboid/compat/data.py ------------------
 from cuboid.compat.data import (  # noqa: E402, F401
@@ -398,3 +396,4 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     unflatten_mesh,
 )
 from cuboid.compat.fsdp import drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
+from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)

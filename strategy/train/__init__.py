@@ -13,8 +13,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from cuboid.train.data import (  # noqa: F401  (the data module, through the face: cuboid.data)
+    DEFAULT_PATTERNS,
+    DataError,
+    TokenDataModule,
+    TokenWindows,
+    load_tokens,
+    prepare_tokens,
+    stdlib_sources,
+)
+
 _JOB = ("LossHistory", "WANDB_ID_FILE", "check_config", "layout_of", "main", "make_logger", "resolve_ckpt_path", "run")
-__all__ = list(_JOB)
+_DATA = ["DEFAULT_PATTERNS", "DataError", "TokenDataModule", "TokenWindows", "load_tokens", "prepare_tokens",
+         "stdlib_sources"]  # fmt: skip
+__all__ = [*_JOB, *_DATA]
 
 
 def __getattr__(name: str) -> Any:

@@ -156,6 +156,8 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
     )
     world_size = trainer.num_nodes * trainer.num_devices
     layout = layout_of(strategy, world_size)
+    found = getattr(strategy, "cluster_environment", None)  # the strategy this job made: the Trainer gave it one
+    environment = type(found).__name__ if found is not None else None
     if logger:
         logger.log_hyperparams(
             {**OmegaConf.to_container(cfg, resolve=True), "layout": layout, "world_size": world_size}
@@ -191,7 +193,7 @@ def run(cfg: DictConfig, datamodule: L.LightningDataModule, task: L.LightningMod
             "wall_s": wall,
             "layout": layout,
             "world_size": world_size,
-            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+            "cluster_environment": environment,
             "ranks": ranks,
             "checkpoint": str(out_dir / "checkpoints" / "last.ckpt") if cfg.checkpoint else None,
             "output_dir": str(out_dir),
