@@ -45,12 +45,17 @@ class Losses(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.initial: dict[str, torch.Tensor] = {}
+        self.placements: dict[str, list[str]] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:  # the weights training starts from, as set up
         self.initial = full_params(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:  # after the run the model is plain again, as DDP leaves it
+        self.placements = {n: [str(pl) for pl in p.placements] for n, p in pl_module.named_parameters()
+                           if isinstance(p, DTensor)}  # fmt: skip
 
 
 def run(spec: dict, out_dir: Path) -> None:
@@ -86,7 +91,7 @@ def run(spec: dict, out_dir: Path) -> None:
 
     names = {id(p): n for n, p in module.named_parameters()}
     optimized = sorted(names[id(p)] for p, s in trainer.optimizers[0].state.items() if s)
-    placements = {n: [str(pl) for pl in p.placements] for n, p in module.named_parameters() if isinstance(p, DTensor)}
+    placements = losses.placements
     full = full_params(module)
     module.eval()
     with torch.no_grad():  # the sharded model's own forward: every rank takes part

@@ -59,9 +59,13 @@ class Facts(L.Callback):
         self.seen: list[list[int]] = []
         self.ckpt_group_at_start: bool | None = None
         self.placements: dict | None = None  # read at train end: after the run the model is whole again, as DDP's
+        self.count_backward = False  # count one backward's ops at train end, on the model as the run built it
+        self.backward_ops: dict[str, int] | None = None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.placements = placements_of(pl_module)
+        if self.count_backward and trainer.strategy.layout.pp == 1:
+            self.backward_ops = backward_ops(pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.seen:  # before any save: is the checkpoint process group already there?
@@ -309,6 +313,8 @@ def run(spec: dict, out_dir: Path) -> None:
         torch.nn.init.constant_(module.probe.bias, 0.5)
     LAST_MODULE[:] = [module]
     facts = Facts(Path(spec["save_dir"]) / "last.ckpt" if spec.get("save_last") == "link" else None)
+    # (not for compiled blocks: its batch of 2 would make Dynamo compile every block again, for dynamic shapes)
+    facts.count_backward = family == "llama" and not spec.get("strategy", {}).get("compile")
     callbacks: list[L.Callback] = [facts]
     if __import__("os").environ.get("CUBOID_TEST_MUTATION") == f"{spec['name']}:sum_over_dp_shard":
         callbacks.append(SumOverDpShard())  # a deliberate bug in one spec, to show its failure stays its own
@@ -417,10 +423,7 @@ def run(spec: dict, out_dir: Path) -> None:
         "rank": dist.get_rank(),
         "dp_rank": strategy.dp_mesh.get_local_rank(),
         "dp_sum": int(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
-        # (not for compiled blocks: its batch of 2 would make Dynamo compile every block again, for dynamic shapes)
-        "backward_ops": (
-            backward_ops(module) if strategy.layout.pp == 1 and family == "llama" and not compiled_graphs else None
-        ),
+        "backward_ops": facts.backward_ops,
         "params": sorted(n for n, _ in module.named_parameters()),
         "schedule": type(strategy.pipelining.runner.schedule).__name__ if strategy.pipelining.runner else None,
         # every transformers config's attention implementation, the pipeline stages' own configs too
