@@ -14,8 +14,10 @@ the whole row, the block's gradients (FlashAttention's own backward, block by bl
   (``(batch, 1, rows, keys)`` at most).
 - ``"cuda_flash"``: ``aten._flash_attention_forward`` / ``_flash_attention_backward`` (FlashAttention-2, bf16 and
   fp16, head dims up to 256 in multiples of 8, grouped-query heads as they come), the window as FlashAttention's own
-  ``window_size_left`` / ``window_size_right`` (bottom-right aligned, as :class:`BlockShape` states it). It takes no
-  mask: a batch with padding takes ``cuda_efficient``. Chosen where torch's ``scaled_dot_product_attention`` would
+  ``window_size_left`` / ``window_size_right`` (bottom-right aligned, as :class:`BlockShape` states it), where it
+  reads them as :class:`BlockShape` does (:func:`flash_reads_as_ours`; a block it would read otherwise, a window's
+  lower edge with more rows than keys + 1, takes ``cuda_efficient`` with its mask). It takes no mask: a batch with
+  padding takes ``cuda_efficient``. Chosen where torch's ``scaled_dot_product_attention`` would
   choose flash (torch 2.11's ``sdp_utils.cpp``: no mask, fp16/bf16, head dim at most 256).
 - ``"cuda_efficient"``: ``aten._efficient_attention_forward`` / ``_efficient_attention_backward`` (the memory-efficient
   kernel: fp32 too, any head dim in multiples of 8, or 4 in fp32), with the block's own small bias (the padding, and
@@ -82,6 +84,78 @@ def window_mask(rows: int, keys: int, left: int | None, right: int | None, devic
     if right is not None:
         seen &= offset <= right
     return seen
+
+
+Window = tuple[int | None, int | None] | None
+
+
+def flash_window(rows: int, keys: int, causal: bool, window: Window, backward: bool = False) -> tuple[int, int]:
+    """The ``(left, right)`` window FlashAttention-2 applies to a block of ``rows`` queries and ``keys`` keys, given
+    ours (``None``: no bound, which torch's ``_flash_attention_forward`` passes as ``value_or(-1)``), normalised as
+    torch's copy of it does (``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``): ``mha_fwd`` sets
+    a bound ``>= seqlen_k`` to -1, then causal off for one query row, then ``window_size_right = 0`` for causal
+    (``mha_bwd``: causal first, no one-row rule); ``set_params_fprop`` then sets a -1 bound to ``seqlen_k`` where
+    the other one is set. (-1, -1): no mask."""
+    left, right = window or (None, None)
+    left, right = -1 if left is None else left, -1 if right is None else right
+    if backward and causal:
+        right = 0
+    left, right = -1 if left >= keys else left, -1 if right >= keys else right
+    if causal and rows > 1 and not backward:
+        right = 0
+    if left < 0 and right >= 0:
+        left = keys
+    if left >= 0 and right < 0:
+        right = keys
+    return left, right
+
+
+def flash_visible(rows: int, keys: int, causal: bool, window: Window, backward: bool = False) -> torch.Tensor:
+    """``(rows, keys)``: the keys FlashAttention-2 lets each row see (``flash_attn/mask.h``, ``apply_mask_local``:
+    ``col >= max(0, row + seqlen_k - seqlen_q - window_size_left)`` and ``col < min(seqlen_k, row + 1 + seqlen_k -
+    seqlen_q + window_size_right)``; ``apply_mask_causal`` is its ``window_size_right = 0`` case)."""
+    left, right = flash_window(rows, keys, causal, window, backward)
+    if left < 0 and right < 0:
+        return torch.ones(rows, keys, dtype=torch.bool)
+    row, col = torch.arange(rows)[:, None], torch.arange(keys)[None, :]
+    return (col >= (row + keys - rows - left).clamp(min=0)) & (col < (row + 1 + keys - rows + right).clamp(max=keys))
+
+
+@functools.lru_cache(maxsize=256)
+def flash_reads_as_ours(rows: int, keys: int, causal: bool, window: Window) -> bool:
+    """Whether FlashAttention-2's forward and backward see exactly the keys :class:`BlockShape` states for this
+    block. Not always: a bound it normalises to ``seqlen_k`` (:func:`flash_window`) is stricter than ours when a
+    block has more rows than keys + 1 (a window's lower-edge block near the sequence's start: its first rows lose
+    keys, and a row left with none gets a log-sum-exp of +inf, ``flash_attn/softmax.h`` ``normalize_softmax_lse``).
+    Decided on the host from the block's sizes alone (row by row, each row's first and last key; no tensor), once
+    per plan."""
+    left, right = (None, 0) if causal else (window or (None, None))
+    shift = keys - rows
+
+    def span(i: int, low: float, high: float) -> tuple[int, int] | None:
+        first, last = max(0, int(max(low, -keys))), min(keys - 1, int(min(high, 2 * keys)))
+        return (first, last) if first <= last else None
+
+    inf = float("inf")
+    ours = [span(i, i + shift - (inf if left is None else left), i + shift + (inf if right is None else right))
+            for i in range(rows)]  # fmt: skip
+    for backward in (False, True):
+        fl, fr = flash_window(rows, keys, causal, window, backward)
+        if fl < 0 and fr < 0:
+            theirs = [span(i, 0, keys - 1) for i in range(rows)]
+        else:  # mask.h: col >= row + shift - left, col < row + 1 + shift + right
+            theirs = [span(i, i + shift - fl, i + shift + fr) for i in range(rows)]
+        if theirs != ours:
+            return False
+    return True
+
+
+def block_kernel(kernel: str, shape: BlockShape, rows: int, keys: int) -> str:
+    """The kernel a block runs with: ``kernel``, except that a block FlashAttention-2 would read otherwise than
+    ``shape`` (:func:`flash_reads_as_ours`) takes the memory-efficient kernel with the block's own mask."""
+    if kernel == "cuda_flash" and not flash_reads_as_ours(rows, keys, shape.causal, shape.window):
+        return "cuda_efficient"
+    return kernel
 
 
 def lse_kernel(query: torch.Tensor, padded: bool = False, softcap: bool = False, dropout_p: float = 0.0) -> str:
@@ -176,6 +250,7 @@ def lse_attention(
     :func:`lse_attention_backward` needs. A row that sees no key has an output of zeros and a log-sum-exp the caller
     overrides (each kernel writes its own: 0, or +inf)."""
     rows = query.shape[2]
+    kernel = block_kernel(kernel, shape, rows, key.shape[2])
     if kernel == "cpu_flash":
         mask = _additive(shape, real, rows, query.dtype)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -228,6 +303,7 @@ def lse_attention_backward(
     """The gradients of ``query``, ``key`` and ``value`` for one block, given the whole row's ``out`` and ``lse``
     (``(batch, heads, rows)``, contiguous, float32: FlashAttention's backward reads it through its raw pointer)."""
     rows = query.shape[2]
+    kernel = block_kernel(kernel, shape, rows, key.shape[2])  # (the forward's choice: the same sizes)
     if kernel == "cpu_flash":
         mask = _additive(shape, real, rows, query.dtype)
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
