@@ -24,7 +24,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 # test_pipeline_hf assert both).
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
-        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.45, "hf_gpt_oss": 1.6,
+        "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.3, "hf_gpt_oss": 1.6,
         "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_granite": 0.13, "hf_gpt2": 1.5, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
@@ -118,13 +118,14 @@ def hf_config(family: str):
         return transformers.Phi3Config(
             vocab_size=256, num_key_value_heads=2, max_position_embeddings=64, **ids, **small
         )
-    if family == "hf_deepseek_v3":  # multi-head latent attention (its plan's mla_kv_a_proj), a dense first layer,
-        # routed experts beside a shared one, sigmoid routing with a score-correction bias
+    if family == "hf_deepseek_v3":  # multi-head latent attention (its plan's mla_kv_a_proj; a value head dim of 8
+        # beside the query's 16, as the full model's 128 / 192), a dense first layer, routed experts beside a shared
+        # one, sigmoid routing with a score-correction bias
         return transformers.DeepseekV3Config(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
             topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, **ids,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, **ids,
         )  # fmt: skip
     if family == "hf_gemma3":  # sliding and global layers, scaled embeddings, per-head q/k norms, a tied head
         return transformers.Gemma3TextConfig(

@@ -262,4 +262,18 @@ def block_attention(
     seq_len = chunk * 2 * dist.get_world_size(group)
     real = key_padding.to(query.device, torch.bool) if key_padding is not None else None
     plan = plan_blocks(chunks, chunk, seq_len, is_causal, window, query.device)
-    return _Blocks.apply(query, key, value, group, plan, scale, kernel, real, sink, softcap)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if v_dim == qk_dim:
+        return _Blocks.apply(query, key, value, group, plan, scale, kernel, real, sink, softcap)
+    # A value head dim unlike the query's (DeepSeek-V3's MLA: 192 / 128): the smaller side padded with zeros to the
+    # larger, which no score and no output column changes (zero value columns give zero output columns; zero query
+    # and key columns add nothing to a score, the scale kept the unpadded one), so keys and values gather in one
+    # collective and every kernel takes equal head dims (FlashAttention and torch's CPU kernel require them;
+    # transformers pads the value the same way for FlashAttention).
+    scale = qk_dim**-0.5 if scale is None else scale
+    if v_dim < qk_dim:
+        value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
+    else:
+        query, key = (torch.nn.functional.pad(t, (0, v_dim - qk_dim)) for t in (query, key))
+    out = _Blocks.apply(query, key, value, group, plan, scale, kernel, real, sink, softcap)
+    return out[..., :v_dim]

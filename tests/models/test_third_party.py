@@ -48,6 +48,11 @@ RUNS: dict[str, Run] = {
     "hf_phi3-tp2": Run(2, {"model": "hf_phi3", "strategy": TP2}),
     # DeepSeek-V3: multi-head latent attention, whose plan's mla_kv_a_proj sums the shared rotary key's gradient
     "hf_deepseek_v3-tp2": Run(2, {"model": "hf_deepseek_v3", "strategy": TP2}),
+    # ... and its value head dim unlike the query's (8 / 16), padded for cp's blocks (32 tokens: cp2 cuts 4s)
+    "hf_deepseek_v3-cp2": Run(2, {"model": "hf_deepseek_v3", "strategy": {"context_parallel": 2}, "seq": 31}),
+    "hf_deepseek_v3-cp2xtp2": Run(
+        4, {"model": "hf_deepseek_v3", "strategy": {"context_parallel": 2, **TP2}, "seq": 31}
+    ),
     # Apertus: its own plan leaves its xIELU's parameters whole (see APERTUS_ERROR); with them summed over tp it matches
     "hf_apertus-tp2-plan_extended": Run(
         2, {"model": "hf_apertus", "strategy": {**TP2, "tensor_parallel_plan": third_party.APERTUS_PLAN}}
