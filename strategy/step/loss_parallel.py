@@ -73,7 +73,12 @@ class LossParallel:
         @functools.wraps(original)  # __wrapped__: context parallel's interception finds torch's own function
         def cross_entropy(input: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(input, *args, **kwargs)
-            return plain(out) if isinstance(input, DTensor) else out
+            if not isinstance(input, DTensor):
+                return out
+            # (a copy, not to_local's view: the step returns this loss, and FSDP2 warns on every step that a unit's
+            # output is a view, whose in-place change would drop its pre-backward hook)
+            loss = plain(out)
+            return loss.clone() if loss._base is not None else loss
 
         F.cross_entropy = cross_entropy  # looked up at call time by F users, nn.CrossEntropyLoss and transformers
         try:

@@ -16,7 +16,10 @@ import cuboid
 PACKAGE_DIRS = {str(ROOT / "strategy"), str(ROOT / "models"), str(Path(cuboid.__file__).parent)}
 # Warnings torch or Lightning raise from their own files that Cuboid's code or its reference model caused.
 # ("exists and is not empty": ModelCheckpoint's, when the job wrote into the checkpoint directory before its start)
-CAUSED_BY_CUBOID = ("Slicing a flattened dim", "sync_dist=True", "will be deprecated", "exists and is not empty")
+# ("returned a view tensor": FSDP2's, when a unit's forward (the LightningModule's step) returns a view; the loss
+# parallel's loss was to_local()'s view under tp)
+CAUSED_BY_CUBOID = ("Slicing a flattened dim", "sync_dist=True", "will be deprecated", "exists and is not empty",
+                    "returned a view tensor")  # fmt: skip
 WARNING_LINE = re.compile(r"^(?:\[rank\d+\]:)?(/\S+\.py):\d+: (.*)$")
 
 
@@ -38,11 +41,16 @@ def test_the_filter_sees_a_warning_from_cuboids_own_files() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("door", [["scripts/train.py"], ["-m", "cuboid.train"]])
-def test_the_main_job_prints_no_warning_of_cuboids(tmp_path: Path, door: list[str]) -> None:
+@pytest.mark.parametrize(
+    "door, layout",
+    [(["scripts/train.py"], []), (["-m", "cuboid.train"], ["strategy=fsdp_tp", "strategy.tensor_parallel=2"])],
+)
+def test_the_main_job_prints_no_warning_of_cuboids(tmp_path: Path, door: list[str], layout: list[str]) -> None:
+    """Each door once: the default layout, and tp2 (loss parallel's loss, the FSDP unit's output under tp)."""
     command = [sys.executable, *(str(ROOT / d) if d.endswith(".py") else d for d in door)]
     # The default job, shortened: 20 steps with a validation at step 10 (the default runs 300, validating every 100).
-    overrides = ["trainer.max_steps=20", "trainer.val_check_interval=10", f"data.cache_dir={tmp_path / 'cache'}"]
+    overrides = ["trainer.max_steps=20", "trainer.val_check_interval=10", f"data.cache_dir={tmp_path / 'cache'}",
+                 *layout]  # fmt: skip
     env = worker_env(PYTHONWARNINGS="always")
     env.pop("WANDB_SILENT", None)
     # a fresh interpreter (not one forked from the suite's fork server): warnings at import count too
