@@ -332,6 +332,9 @@ ATTENTION_CASES = (
     ("window", False, 1000, False, None, torch.bfloat16),
     ("window_padded", True, 1000, False, None, torch.float16),
     ("sink", False, 1000, True, None, torch.bfloat16),
+    # a window longer than a chunk (tokens - 3): chunk 1's lower-edge block has more rows than keys + 1, which
+    # FlashAttention-2 reads otherwise than the plan states (issue 67, item 2: NaN there before the fix)
+    ("window_long", False, -3, False, None, torch.bfloat16),
     ("softcap", False, None, False, 50.0, torch.bfloat16),
     ("fp32", False, None, False, None, torch.float32),
 )
@@ -360,7 +363,7 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, padded, window, with_sink, softcap, gpu_dtype in ATTENTION_CASES:
         dtype = gpu_dtype if device.type == "cuda" else torch.float32
-        window = None if window is None else min(window, tokens // 3)
+        window = None if window is None else (min(window, tokens // 3) if window > 0 else tokens + window)
         g = torch.Generator(device=device).manual_seed(len(rows))
         q = torch.randn(1, heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
         k, v = (torch.randn(1, kv_heads, tokens, dim, device=device, dtype=dtype, generator=g).requires_grad_()
