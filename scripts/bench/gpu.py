@@ -197,10 +197,12 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def offload(args: argparse.Namespace) -> dict[str, Any]:
-    """cpu_offload=True with meta init and gradient clipping: shards live on the host, steps run on the GPU."""
+    """cpu_offload=True with meta init and gradient clipping: shards live on the host, steps run on the GPU; then a
+    full-format save (whole tensors gathered from host shards: no host tensor may reach the NCCL group, issue 67's
+    item 4) read back with torch.load."""
     module = CausalLM(model=args.model, meta_init=True, warmup_steps=2, max_steps=args.steps)
     losses = Losses()
-    strategy = CuboidStrategy(cpu_offload=args.accelerator != "cpu")
+    strategy = CuboidStrategy(cpu_offload=args.accelerator != "cpu", checkpoint_format="full")
     trainer = trainer_for(
         args, strategy, max_steps=args.steps, callbacks=[losses], log_every_n_steps=1, gradient_clip_val=1.0
     )
@@ -208,7 +210,15 @@ def offload(args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
     devices = sorted({str(p.device) for p in module.parameters()})
     values = [losses.by_step[s] for s in sorted(losses.by_step)]
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            trainer.save_checkpoint(Path(folder) / "full.ckpt")
+            saved = torch.load(Path(folder) / "full.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+            full_save = len(saved) == len(module.state_dict())
+        except Exception as err:  # noqa: BLE001  (the check reports it)
+            full_save = f"{type(err).__name__}: {err}"[:300]
     return {
+        "full_save": full_save,
         "check": "offload",
         "model": args.model,
         "parameter_devices": devices,
@@ -217,7 +227,8 @@ def offload(args: argparse.Namespace) -> dict[str, Any]:
         # (random tokens: the loss need not fall in a few steps) the shards stay on the host under offload
         "ok": len(values) == args.steps
         and all(math.isfinite(v) for v in values)
-        and (args.accelerator == "cpu" or devices == ["cpu"]),
+        and (args.accelerator == "cpu" or devices == ["cpu"])
+        and full_save is True,
     }
 
 
