@@ -11,7 +11,8 @@ return the same loss to Lightning, make the same ``self.log`` calls (``sync_dist
    ``log_every_n_steps`` has two: with and without its logs);
 3. the logged Python numbers, if any, in one host tensor;
 4. the loss and the logged tensors in one device tensor broadcast, kept on the device and logged as tensors;
-5. the states of the metrics the step updated (tensor broadcasts; a list state is an object broadcast).
+5. the states of the metrics the step updated (tensor broadcasts; a list state's shapes in an object broadcast,
+   its tensors broadcast on the device, so that each lands on the receiving rank's device).
 
 Nothing is read from the device: a quiet step (one that logs nothing) costs one gloo header and one scalar
 broadcast. Logged values are the mean over microbatches, as before.
@@ -224,9 +225,8 @@ class ResultExchange:
                 value = getattr(metric, name)
                 if isinstance(value, Tensor):
                     dist.broadcast(value, src=self.src, group=self.group)
-                else:  # a list state (concatenating metrics): its length varies, so it goes as an object
-                    box = [value]
-                    dist.broadcast_object_list(box, src=self.src, group=self.host_group)
-                    setattr(metric, name, box[0])
+                else:  # a list state (a concatenating metric): its shapes go as an object, its tensors on the device
+                    setattr(metric, name, self.share(value if self.is_src else None))  # (a pickled tensor would
+                    # unpickle on the sender's device: cuda:0 of another node, not this rank's)
             if not self.is_src:
                 set_metric_update_count(metric, count)
