@@ -138,18 +138,7 @@ def _gather_to_rank0(state: dict[str, Any], mesh: DeviceMesh, group: dist.Proces
     """
     coords = mesh.get_coordinate()
     assert coords is not None
-    stage_lead = all(c == 0 for c in coords[1:])
-    share: dict[str, dict[str, Any]] = {}
-    for part, entries in state.items():
-        mine = share.setdefault(part, {})
-        for key, value in entries.items():
-            if isinstance(value, DTensor):
-                full = value.full_tensor()
-                if stage_lead:
-                    mine[key] = full.detach().to("cpu", copy=True)
-                del full
-            elif stage_lead:
-                mine[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+    share = _gathered(state, keep=all(c == 0 for c in coords[1:]))
     leads = [int(r) for r in mesh.mesh.reshape(mesh.mesh.shape[0], -1)[:, 0].tolist()]
     if rank() in leads[1:]:
         _send_share(share, group)
@@ -159,6 +148,24 @@ def _gather_to_rank0(state: dict[str, Any], mesh: DeviceMesh, group: dist.Proces
     for lead in leads[1:]:
         for part, entries in _recv_share(lead, group).items():
             share.setdefault(part, {}).update(entries)
+    return share
+
+
+def _gathered(state: dict[str, Any], keep: bool) -> dict[str, dict[str, Any]]:
+    """Each DTensor of ``state`` gathered over its own mesh, one at a time (every rank of the stage gathers, in the
+    same order), through the mesh's device when its shard lives on the host (``cpu_offload``); host copies of
+    everything when ``keep`` (the stage's first rank), else empty parts."""
+    share: dict[str, dict[str, Any]] = {}
+    for part, entries in state.items():
+        mine = share.setdefault(part, {})
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                full = compat.full_tensor(value)
+                if keep:
+                    mine[key] = full.detach().to("cpu", copy=True)
+                del full
+            elif keep:
+                mine[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
     return share
 
 

@@ -168,6 +168,26 @@ def init_fake_process_group(world_size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
+def full_tensor(value: Any) -> torch.Tensor:
+    """``value.full_tensor()`` (a DTensor, detached), gathered on its mesh's device, where the result lies. FSDP2's
+    offloaded shards (``cpu_offload=True``) are DTensors whose local tensors are on the host while their mesh's groups
+    are NCCL, which serves device tensors only (``ProcessGroup::getBackend`` has no backend for ``cpu``): such a
+    shard is copied to the mesh's device first (``DTensor.from_local`` moves it there), one parameter at a time."""
+    from torch.distributed.tensor import DTensor
+
+    value = value.detach()
+    local, mesh = value.to_local(), value.device_mesh
+    if local.device.type != mesh.device_type:
+        value = DTensor.from_local(local, mesh, value.placements, shape=value.shape, stride=value.stride())
+    return value.full_tensor()
+
+
+def on_group_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` where a collective over a group of ``device``'s backend can take it: itself when on ``device``'s
+    type, else a copy there (a host tensor never reaches NCCL). Copy the result back when the collective wrote it."""
+    return tensor if tensor.device.type == device.type else tensor.to(device)
+
+
 def all_gather_single(output: Any, local: Any, group: Any = None) -> None:
     """Every rank's ``local`` into ``output`` (``world x local`` along dim 0), one collective: torch 2.13 names it
     ``all_gather_single`` and warns (FutureWarning) on the older ``all_gather_into_tensor``, which torch 2.11 alone

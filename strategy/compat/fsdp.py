@@ -38,6 +38,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from cuboid.compat.distributed import full_tensor
+
 _WRAPPED_METHOD = "register_fsdp_forward_method.<locals>.wrapped_method"
 _DISTRIBUTED_MARK = "_distribute_module_applied"  # torch/distributed/tensor/_api.py distribute_module
 
@@ -77,7 +79,7 @@ def unshard_for_good(root: nn.Module, device: torch.device) -> dict[int, nn.Para
         unit.reshard()  # the fp32 shards in place (no collective): never a mixed-precision gathered copy
     whole: dict[int, nn.Parameter] = {}
     for _, param in root.named_parameters(remove_duplicate=True):
-        data = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        data = full_tensor(param) if isinstance(param, DTensor) else param.detach()
         whole[id(param)] = nn.Parameter(data.to(device).clone(), requires_grad=param.requires_grad)
     for unit in units:
         _drop_fsdp(unit)
@@ -87,7 +89,7 @@ def unshard_for_good(root: nn.Module, device: torch.device) -> dict[int, nn.Para
                 module._parameters[name] = whole[id(param)]
         for name, buffer in list(module._buffers.items()):
             if isinstance(buffer, DTensor):  # (collective too: buffers in module order, the same on every rank)
-                module._buffers[name] = buffer.full_tensor().to(device)
+                module._buffers[name] = full_tensor(buffer).to(device)
         module.__dict__.pop(_DISTRIBUTED_MARK, None)  # tensor parallel's "applied once" mark
     return whole
 

@@ -66,7 +66,7 @@ def make_plain(module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> None:
 
 def _whole(value: Any) -> Any:
     if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
+        return compat.full_tensor(value).cpu()
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
 

@@ -141,7 +141,7 @@ def whole_own_copies(root: nn.Module) -> None:
             keys = list(value) if isinstance(value, dict) else range(len(value))
             if not any(isinstance(value[k], DTensor) for k in keys):
                 continue
-            whole = [value[k].full_tensor().cpu() if isinstance(value[k], DTensor) else value[k] for k in keys]
+            whole = [compat.full_tensor(value[k]).cpu() if isinstance(value[k], DTensor) else value[k] for k in keys]
             if isinstance(value, tuple):
                 setattr(owner, attribute, tuple(whole))
             else:
@@ -154,14 +154,14 @@ def make_whole(copy: nn.Module) -> None:
     for name, param in list(copy.named_parameters()):
         if isinstance(param, DTensor):
             owner, _, leaf = name.rpartition(".")
-            whole = nn.Parameter(param.detach().full_tensor().cpu(), requires_grad=param.requires_grad)
+            whole = nn.Parameter(compat.full_tensor(param).cpu(), requires_grad=param.requires_grad)
             setattr(copy.get_submodule(owner), leaf, whole)
 
 
 def whole_weights(state: dict[str, Any]) -> dict[str, Any]:
     """A state dict with every DTensor made whole on the CPU, as a full checkpoint holds it. A collective for
     each DTensor: every rank calls it, with the same names."""
-    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return {k: compat.full_tensor(v).cpu() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 class ShardedAgain(Callback):

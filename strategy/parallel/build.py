@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from cuboid import compat
 from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.dropin import accept_whole_state_dicts, choose_units
 from cuboid.parallel import materialize, plans
@@ -189,7 +190,9 @@ def finish_weights(
             )
     for plan in weights.sources:
         load_pretrained(lm, plan)
-    _average_stray_gradients(lm, _report_stray_parameters(lm), dp_mesh)
+    strays = _report_stray_parameters(lm)
+    _strays_to_device(lm, strays, device)
+    _average_stray_gradients(lm, strays, dp_mesh, device)
     accept_whole_state_dicts(lm)
 
 
@@ -209,15 +212,38 @@ def _report_stray_parameters(lm: nn.Module) -> list[str]:
     return [n for n, _ in stray]
 
 
-def _average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh) -> None:
+def _strays_to_device(lm: nn.Module, names: Sequence[str], device: torch.device) -> None:
+    """Stray parameters on the training device, where FSDP2 leaves them wherever they were built (it neither shards
+    nor moves the 0-d ones it ignores) and CPU offload materialized them on the host: a host parameter would cost a
+    device-to-host copy of its gradient at every backward, and its gradient cannot reach an NCCL group."""
+    params = dict(lm.named_parameters())
+    strays = {id(params[name]) for name in names}
+    moved: dict[int, nn.Parameter] = {}  # old parameter -> its copy on the device (tied names stay tied)
+    for module in lm.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is None or id(param) not in strays or param.is_meta or param.device == device:
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+            module._parameters[leaf] = moved[id(param)]
+
+
+def _average_stray_gradients(
+    lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh, device: torch.device | None = None
+) -> None:
     """Keep replicated (stray) parameters in step: average each one's gradient over the data-parallel ranks as
-    it is accumulated (FSDP2 reduces only the parameters it manages)."""
+    it is accumulated (FSDP2 reduces only the parameters it manages), on ``device`` (the mesh's: a gradient kept
+    elsewhere is all-reduced through a copy there)."""
     if dp_mesh.size() == 1:
         return
     group, size = dp_mesh.get_group(), dp_mesh.size()
+    device = device or torch.device(dp_mesh.device_type)
 
     def average(param: torch.Tensor) -> None:
-        torch.distributed.all_reduce(param.grad, group=group)
+        grad = compat.on_group_device(param.grad, device)
+        torch.distributed.all_reduce(grad, group=group)
+        if grad is not param.grad:
+            param.grad.copy_(grad)
         param.grad.div_(size)
 
     params = dict(lm.named_parameters())
