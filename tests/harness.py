@@ -63,10 +63,15 @@ def torchrun_cmd(nprocs: int, script: Path, *args: str) -> list[str]:
 
 
 def faulthandler_report(out: str, width: int, tail: int = 6000) -> str:
-    """The first faulthandler report in ``out`` (``width`` characters of it) when it lies before the last ``tail``
-    characters a failure message shows anyway; else an empty string."""
+    """The first faulthandler report in ``out`` (``width`` characters of it, after the four lines before it, where
+    C++ prints why it aborted: ``terminate called after throwing ...``, ``what(): ...``) when it lies before the last
+    ``tail`` characters a failure message shows anyway; else an empty string. A report made by a signal from outside
+    (the harness stopping a rank) says so: its lines before are another process's."""
     crash = out.find("Fatal Python error")  # a worker's native crash (PYTHONFAULTHANDLER)
-    return f"\n...\n{out[crash : crash + width]}\n...\n" if 0 <= crash < len(out) - tail else ""
+    if not 0 <= crash < len(out) - tail:
+        return ""
+    before = out[:crash].splitlines()[-4:]
+    return "\n...\n" + "\n".join(before) + f"\n{out[crash : crash + width]}\n...\n"
 
 
 def run_checked(
