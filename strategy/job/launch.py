@@ -19,7 +19,13 @@ from typing import Any
 from lightning.fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from cuboid.compat import SubprocessScriptLauncher, basic_subprocess_cmd, init_dist_connection
+from cuboid.compat import (
+    SubprocessScriptLauncher,
+    basic_subprocess_cmd,
+    distributed_is_initialized,
+    init_dist_connection,
+)
+from cuboid.job import elastic
 from cuboid.parallel import LayoutError
 
 _SET_BY_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -230,5 +236,10 @@ def start_process_group(cluster_environment: ClusterEnvironment, backend: str, d
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
+    if (
+        elastic.restarting() and not distributed_is_initialized()
+    ):  # torchrun --max-restarts: a store of this round's own (cuboid.job.elastic)
+        kwargs["store"] = elastic.round_store(cluster_environment.global_rank(), cluster_environment.world_size(),
+                                              timeout)  # fmt: skip
     init_dist_connection(cluster_environment, backend, **kwargs)
     destroy_process_group_at_exit()
