@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,9 +104,17 @@ class StopAgreement(L.Callback):
         compat.drop_sigterm_broadcast(self.trainer)
         self._mark_received = compat.take_over_sigterm(self.trainer, lambda: self._on_signal(signal.SIGTERM))
         compat.take_over_slurm_requeue_signal(self.trainer, lambda: self._on_signal(signal.SIGUSR1))
-        for sig in self.preempt_on:  # others than SIGTERM: ours, whether or not Lightning registers one
-            if sig != signal.SIGTERM:
-                self._previous[sig] = signal.signal(sig, lambda signum, frame: self._on_signal(signal.Signals(signum)))
+        ours = [sig for sig in self.preempt_on if sig != signal.SIGTERM]  # ours, whether or not Lightning has one
+        if ours and threading.current_thread() is not threading.main_thread():
+            # Python lets only the main thread install handlers (Ray Train runs the loop in a worker thread, so do a
+            # notebook's background thread and a service): train on, with the signals left to whoever owns them.
+            # Lightning does the same for SIGTERM (its _SignalConnector registers only on the main thread).
+            rank_zero_info(f"Cuboid: fit runs off the main thread, where no signal handler can be installed: "
+                           f"{', '.join(s.name for s in ours)} will not save a checkpoint before stopping (the "
+                           f"engine that started this thread handles its own signals)")  # fmt: skip
+            ours = []
+        for sig in ours:
+            self._previous[sig] = signal.signal(sig, lambda signum, frame: self._on_signal(signal.Signals(signum)))
         self.trainer.callbacks.append(self)
 
     def uninstall(self) -> None:

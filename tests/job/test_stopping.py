@@ -109,3 +109,13 @@ def test_after_a_killed_rank_the_last_checkpoint_resumes_the_single_process_curv
         err = (got["params"][f"model.{name}"] - want).abs().max().item()
         assert err <= PARAM_ATOL, (name, err)
     assert not (root / ".cuboid-run.lock").exists()
+
+
+@pytest.mark.slow
+def test_fit_off_the_main_thread_trains_with_the_signals_left_alone(tmp_path) -> None:
+    """Ray Train runs the train loop in a worker thread: there Python refuses ``signal.signal`` ("signal only works
+    in main thread of the main interpreter", which stopped setup before). Both ranks train their 4 steps."""
+    out = torchrun(2, WORKERS / "thread_worker.py", str(tmp_path), timeout=120)
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert facts == [{"rank": r, "steps": 4, "thread": "train-loop"} for r in range(2)], (facts, out[-3000:])
+    assert "fit runs off the main thread, where no signal handler can be installed: SIGUSR1" in out
