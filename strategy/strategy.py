@@ -25,7 +25,14 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
-from cuboid.job import CuboidLauncher, JobGuard, check_before_launch, check_external_launch, forget_previous_launch
+from cuboid.job import (
+    CuboidLauncher,
+    JobGuard,
+    adopt_elastic_round,
+    check_before_launch,
+    check_external_launch,
+    forget_previous_launch,
+)
 from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
@@ -209,7 +216,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes  # before any child exists
+        env, procs = self.cluster_environment, self.num_processes  # before any child exists
+        nodes = self.num_nodes = adopt_elastic_round(self.num_nodes, procs, self.layout)
         check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
         check_external_launch(env, nodes, procs)  # before root_device
         check_before_launch(env, nodes, procs, self.settings.cpu_offload, self.root_device)

@@ -6,6 +6,7 @@ from cuboid.job.even_batches import UnevenBatchesError
 from cuboid.job.guard import JobGuard
 from cuboid.job.launch import (
     CuboidLauncher,
+    adopt_elastic_round,
     check_before_launch,
     check_external_launch,
     forget_previous_launch,
@@ -17,6 +18,7 @@ from cuboid.job.run_lock import RunDirectoryBusy
 __all__ = [
     "CuboidLauncher",
     "JobGuard",
+    "adopt_elastic_round",
     "PeerBatchesDiffer",
     "RunDirectoryBusy",
     "UnevenBatchesError",

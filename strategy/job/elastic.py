@@ -12,6 +12,10 @@ unique id); each agent spends its restarts on that and exits 1. ``TORCHELASTIC_R
 round either: an agent that restarts its healthy workers because another node rejoined keeps its count (measured:
 0 on one node, 1 on the other, in the same round).
 
+A round may also hold fewer nodes than the Trainer was given (``--nnodes 1:2``, one node lost), or more: the
+Trainer then trains at the nodes of the round (:func:`nodes_this_round`, said in one line with the layout it
+resumes at), and the checkpoint reshards to it.
+
 So when torchrun may restart (:func:`restarting`), the default group's rendezvous goes through a store of the
 round's own (:func:`round_store`): rank 0's process hosts a fresh TCPStore and publishes its address, with a token,
 in the agent's store; every other rank reads that address, which may still be a previous round's (its process is
@@ -47,6 +51,17 @@ def _listening(host: str, port: int) -> bool:
 def restarting(env: Any = os.environ) -> bool:
     """Whether torchrun may restart this job's workers inside the store its agent shares with them."""
     return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+
+
+def nodes_this_round(num_nodes: int, devices: int, env: Any = os.environ) -> int:
+    """The nodes torchrun formed this round with, where it may restart with another count (``--nnodes MIN:MAX``
+    with ``--max-restarts``: a lost node's survivors re-form without it, a returning node joins at the next
+    restart), else ``num_nodes``. Only a round of ``devices`` processes per node is taken: any other count is
+    left to the launch check, which refuses it by name."""
+    if not restarting(env) or "GROUP_WORLD_SIZE" not in env:
+        return num_nodes
+    nodes, per_node = int(env["GROUP_WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", devices))
+    return nodes if per_node == devices and nodes != num_nodes else num_nodes
 
 
 def round_store(rank: int, world_size: int, timeout: timedelta, env: Any = os.environ) -> Any:

@@ -194,6 +194,21 @@ def check_before_launch(
     check_slurm_tasks(cluster_environment, num_nodes, num_processes)
 
 
+def adopt_elastic_round(num_nodes: int, devices: int, layout: Any) -> int:
+    """The Trainer's node count for this torchrun round: ``num_nodes``, or the round's where torchrun may restart
+    with another (:func:`cuboid.job.elastic.nodes_this_round`), said on rank 0 with the layout it trains at."""
+    nodes = elastic.nodes_this_round(num_nodes, devices)
+    if nodes != num_nodes and os.environ.get("RANK", "0") == "0":
+        print(
+            f"Cuboid: torchrun formed this round with {nodes} node(s) of {devices} process(es) (the Trainer was given "
+            f"num_nodes={num_nodes}): training at {nodes * devices} processes, layout {layout.resolve(nodes * devices).describe()}"
+            "; a checkpoint resumes resharded to it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return nodes
+
+
 def check_external_launch(env: ClusterEnvironment, num_nodes: int, devices: int) -> None:
     """Processes started by torchrun (or another external launcher) must be what the Trainer expects: its world
     size num_nodes x devices, and this process's local rank one of the devices."""
