@@ -32,6 +32,7 @@ from cuboid.job import (
     check_before_launch,
     check_external_launch,
     forget_previous_launch,
+    pod_environment,
 )
 from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
@@ -216,6 +217,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.cluster_environment = pod_environment(self.cluster_environment)  # a PyTorchJob pod's, if it is one
         env, procs = self.cluster_environment, self.num_processes  # before any child exists
         nodes = self.num_nodes = adopt_elastic_round(self.num_nodes, procs, self.layout)
         check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)

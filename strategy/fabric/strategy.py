@@ -34,6 +34,7 @@ from cuboid.checkpoint import Checkpointer
 from cuboid.fabric import checkpoints as fabric_checkpoint
 from cuboid.fabric.optimizers import NoGradientSync, check_optimizer, optimizers_follow
 from cuboid.fabric.precision import FabricPrecision
+from cuboid.job import pod_environment
 from cuboid.parallel import (
     FLATTENED,
     ACMode,
@@ -152,6 +153,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.cluster_environment = pod_environment(self.cluster_environment)  # a PyTorchJob pod's, if it is one
         env, nodes, procs = self.cluster_environment, self.num_nodes, self.num_processes
         check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
         if not env.creates_processes_externally:

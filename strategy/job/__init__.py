@@ -10,6 +10,7 @@ from cuboid.job.launch import (
     check_before_launch,
     check_external_launch,
     forget_previous_launch,
+    pod_environment,
     start_process_group,
 )
 from cuboid.job.peer_batches import PeerBatchesDiffer
@@ -25,5 +26,6 @@ __all__ = [
     "check_before_launch",
     "check_external_launch",
     "forget_previous_launch",
+    "pod_environment",
     "start_process_group",
 ]

@@ -194,6 +194,32 @@ def check_before_launch(
     check_slurm_tasks(cluster_environment, num_nodes, num_processes)
 
 
+_POD = ("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")  # a PyTorchJob pod's, without torchrun
+
+
+def pod_environment(current: ClusterEnvironment) -> ClusterEnvironment:
+    """Lightning's ``KubeflowEnvironment`` for a Kubeflow PyTorchJob pod that runs the job without a launcher, else
+    ``current``. The operator gives each pod MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (every pod has
+    KUBERNETES_PORT), but Lightning cannot detect it (``KubeflowEnvironment.detect`` raises) and falls back to its own
+    environment, under which every pod takes itself for rank 0: the second to bind the store's port fails with
+    EADDRINUSE and the others wait for it. Under torchrun (``PET_*``) Lightning's TorchElasticEnvironment is chosen
+    instead, and a process Cuboid's own launcher started (LOCAL_RANK set) keeps Lightning's environment."""
+    from lightning.fabric.plugins.environments import KubeflowEnvironment, LightningEnvironment
+
+    if type(current) is not LightningEnvironment or "LOCAL_RANK" in os.environ:
+        return current
+    if not all(os.environ.get(key) for key in _POD):
+        return current
+    if os.environ["RANK"] == "0":
+        print(
+            f"Cuboid: a Kubeflow PyTorchJob's pods ({', '.join(_POD)} set): rank {os.environ['RANK']} of "
+            f"{os.environ['WORLD_SIZE']} through Lightning's KubeflowEnvironment, one process per pod",
+            file=sys.stderr,
+            flush=True,
+        )
+    return KubeflowEnvironment()
+
+
 def adopt_elastic_round(num_nodes: int, devices: int, layout: Any) -> int:
     """The Trainer's node count for this torchrun round: ``num_nodes``, or the round's where torchrun may restart
     with another (:func:`cuboid.job.elastic.nodes_this_round`), said on rank 0 with the layout it trains at."""

@@ -34,15 +34,21 @@ STEPS = 24
 
 
 def _agents(tmp: Path, port: int) -> list[subprocess.Popen]:
-    """Two torchrun agents of one elastic job, as two nodes would start them (each in a session of its own)."""
-    env = worker_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=elastic{port}",
-           "--monitor-interval=1", TRAIN, f"data.cache_dir={tmp / 'cache'}", *JOB, f"hydra.run.dir={tmp / 'run'}"]  # fmt: skip
-    return [
-        subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        for log in (open(tmp / f"agent{n}.log", "w") for n in range(2))  # noqa: SIM115  (closed with the process)
-    ]
+    """Two torchrun agents of one elastic job, as two nodes would start them (each in a session of its own): the
+    first with torchrun's flags, as a user types them; the second with none, configured by the ``PET_*`` variables
+    Kubeflow's PyTorchJob operator sets in an elastic job's pods (torchrun reads ``PET_<FLAG>`` for each flag)."""
+    flags = {"nnodes": "1:2", "nproc_per_node": "1", "max_restarts": "1", "rdzv_backend": "c10d",
+             "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": f"elastic{port}", "monitor_interval": "1"}  # fmt: skip
+    job = [TRAIN, f"data.cache_dir={tmp / 'cache'}", *JOB, f"hydra.run.dir={tmp / 'run'}"]
+    by_flags = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    by_env = {f"PET_{k.upper()}": v for k, v in flags.items()}
+    started = []
+    for n, (args, env) in enumerate([(by_flags, worker_env()), ([], worker_env(**by_env))]):
+        with open(tmp / f"agent{n}.log", "w") as log:
+            cmd = [sys.executable, "-m", "torch.distributed.run", *args, *job]
+            started.append(subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))  # fmt: skip
+    return started
 
 
 def _wait_for(what: str, check, timeout: float) -> float:  # noqa: ANN001
@@ -150,3 +156,35 @@ def test_a_node_lost_under_torchrun_elastic_resumes_on_the_one_left(tmp_path: Pa
     assert abs(first - there) < 0.5 * abs(fresh - there), (first, there, fresh)
     assert len(done["losses"]) == STEPS - step and all(math.isfinite(x) for x in done["losses"])
     print(f"node lost: resumed from step {step} on one node, training again {ran['again_s']:.1f} s after the kill")
+
+
+@pytest.mark.slow
+def test_a_pytorchjob_without_torchrun_trains_under_kubeflows_environment(tmp_path: Path, uninterrupted) -> None:
+    """A PyTorchJob whose pods run the job without torchrun: one process each, given what Kubeflow's operator sets
+    (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) and what every pod has (KUBERNETES_PORT). Lightning picks its
+    KubeflowEnvironment; Cuboid prints the layout and trains as one node's two processes do, to the last digit."""
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = worker_env(KUBERNETES_PORT="tcp://10.96.0.1:443", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                         WORLD_SIZE="2", RANK=str(rank))  # fmt: skip
+        with open(tmp_path / f"pod{rank}.log", "w") as log:
+            cmd = [
+                sys.executable,
+                TRAIN,
+                f"data.cache_dir={tmp_path / 'cache'}",
+                *JOB,
+                f"hydra.run.dir={tmp_path / 'run'}",
+            ]
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    logs = "".join((tmp_path / f"pod{rank}.log").read_text(errors="replace") for rank in range(2))
+    assert codes == [0, 0], logs[-6000:]
+    assert "Cuboid layout: pp=1 x dp_replicate=1 x dp_shard=2 x tp=1 on 2 processes" in logs
+    done = _summary(tmp_path / "run")
+    assert done["cluster_environment"] == "KubeflowEnvironment" and done["world_size"] == 2
+    assert done["losses"] == uninterrupted["losses"] and done["val_loss"] == uninterrupted["val_loss"]
