@@ -25,15 +25,7 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
-from cuboid.job import (
-    CuboidLauncher,
-    JobGuard,
-    adopt_elastic_round,
-    check_before_launch,
-    check_external_launch,
-    forget_previous_launch,
-    pod_environment,
-)
+from cuboid.job import CuboidLauncher, JobGuard, prepare_launch
 from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
@@ -216,14 +208,11 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.cluster_environment = pod_environment(self.cluster_environment)  # a PyTorchJob pod's, if it is one
-        env, procs = self.cluster_environment, self.num_processes  # before any child exists
-        nodes = self.num_nodes = adopt_elastic_round(self.num_nodes, procs, self.layout)
+        assert self.cluster_environment is not None  # before any child process exists:
+        env, nodes = prepare_launch(self.cluster_environment, self.num_nodes, self.num_processes, self.layout,
+                                    self.settings.cpu_offload, lambda: self.root_device)  # fmt: skip
+        self.cluster_environment, self.num_nodes, procs = env, nodes, self.num_processes
         check_reshard_after_forward(self.settings.reshard_after_forward, self.layout.resolve(nodes * procs).dp_shard)
-        check_external_launch(env, nodes, procs)  # before root_device
-        check_before_launch(env, nodes, procs, self.settings.cpu_offload, self.root_device)
-        forget_previous_launch()
         if not env.creates_processes_externally:
             self._launcher = CuboidLauncher(env, procs, nodes)
 

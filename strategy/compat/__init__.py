@@ -114,8 +114,7 @@ def route_link_checkpoint(callback: Any, link: Callable[[Any, str, str], None]) 
 
 
 def should_accumulate(trainer: Any) -> bool:
-    """Whether the current batch only accumulates gradients (no optimizer step follows): the fit loop's own answer,
-    which also knows the epoch's last batch."""
+    """Whether this batch only accumulates gradients (no optimizer step follows): the fit loop's own answer."""
     return trainer.fit_loop._should_accumulate()
 
 

@@ -11,6 +11,7 @@ from cuboid.job.launch import (
     check_external_launch,
     forget_previous_launch,
     pod_environment,
+    prepare_launch,
     start_process_group,
 )
 from cuboid.job.peer_batches import PeerBatchesDiffer
@@ -27,5 +28,6 @@ __all__ = [
     "check_external_launch",
     "forget_previous_launch",
     "pod_environment",
+    "prepare_launch",
     "start_process_group",
 ]

@@ -220,6 +220,21 @@ def pod_environment(current: ClusterEnvironment) -> ClusterEnvironment:
     return KubeflowEnvironment()
 
 
+def prepare_launch(
+    env: ClusterEnvironment, num_nodes: int, devices: int, layout: Any, cpu_offload: bool, root_device: Any
+) -> tuple[ClusterEnvironment, int]:
+    """What is decided before any child process or process group exists: a PyTorchJob pod's environment
+    (:func:`pod_environment`), the nodes of a torchrun round (:func:`adopt_elastic_round`), then the launch checks,
+    and a previous Hydra job's launch forgotten. ``root_device``: a callable (it reads the local rank, which the
+    external launch check vouches for first). Returns the cluster environment and the node count to train with."""
+    env = pod_environment(env)
+    nodes = adopt_elastic_round(num_nodes, devices, layout)
+    check_external_launch(env, nodes, devices)
+    check_before_launch(env, nodes, devices, cpu_offload, root_device())
+    forget_previous_launch()
+    return env, nodes
+
+
 def adopt_elastic_round(num_nodes: int, devices: int, layout: Any) -> int:
     """The Trainer's node count for this torchrun round: ``num_nodes``, or the round's where torchrun may restart
     with another (:func:`cuboid.job.elastic.nodes_this_round`), said on rank 0 with the layout it trains at."""
