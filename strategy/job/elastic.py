@@ -76,7 +76,6 @@ def round_store(rank: int, world_size: int, timeout: timedelta, env: Any = os.en
         agent.set(ADDRESS_KEY, f"{store.port}:{token}")
         return store
     deadline = time.monotonic() + timeout.total_seconds()
-    tried = ""
     while True:
         published = agent.get(ADDRESS_KEY).decode()  # waits (up to the timeout) for the first round's
         round_port, _, token = published.partition(":")
@@ -86,13 +85,12 @@ def round_store(rank: int, world_size: int, timeout: timedelta, env: Any = os.en
                 if store.get(OWNER_KEY).decode() == token:
                     store.set_timeout(timeout)
                     return store
-        except (RuntimeError, ValueError):  # not this round's store
+        except (RuntimeError, ValueError):  # not this round's store: a previous round's, its host process gone
             pass
-        tried = published  # a previous round's: its host process is gone
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"torchrun restart: rank {rank} found no live store of this round at {host} (the last address "
-                f"published, {tried or published}, belongs to a round whose rank 0 is gone) within "
+                f"published, {published}, belongs to a round whose rank 0 is gone) within "
                 f"{timeout.total_seconds():.0f} s. Rank 0's process did not start; its log says why."
             )
         time.sleep(0.2)

@@ -292,10 +292,8 @@ def start_process_group(cluster_environment: ClusterEnvironment, backend: str, d
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
-    if (
-        elastic.restarting() and not distributed_is_initialized()
-    ):  # torchrun --max-restarts: a store of this round's own (cuboid.job.elastic)
-        kwargs["store"] = elastic.round_store(cluster_environment.global_rank(), cluster_environment.world_size(),
-                                              timeout)  # fmt: skip
+    if elastic.restarting() and not distributed_is_initialized():  # torchrun --max-restarts (cuboid.job.elastic)
+        env = cluster_environment
+        kwargs["store"] = elastic.round_store(env.global_rank(), env.world_size(), timeout)  # this round's own
     init_dist_connection(cluster_environment, backend, **kwargs)
     destroy_process_group_at_exit()

@@ -228,16 +228,13 @@ def _strays_to_device(lm: nn.Module, names: Sequence[str], device: torch.device)
             module._parameters[leaf] = moved[id(param)]
 
 
-def _average_stray_gradients(
-    lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh, device: torch.device | None = None
-) -> None:
+def _average_stray_gradients(lm: nn.Module, names: Sequence[str], dp_mesh: DeviceMesh, device: torch.device) -> None:
     """Keep replicated (stray) parameters in step: average each one's gradient over the data-parallel ranks as
     it is accumulated (FSDP2 reduces only the parameters it manages), on ``device`` (the mesh's: a gradient kept
     elsewhere is all-reduced through a copy there)."""
     if dp_mesh.size() == 1:
         return
     group, size = dp_mesh.get_group(), dp_mesh.size()
-    device = device or torch.device(dp_mesh.device_type)
 
     def average(param: torch.Tensor) -> None:
         grad = compat.on_group_device(param.grad, device)
