@@ -22,7 +22,7 @@ install()  # before any module that imports Lightning: the registries, and cuboi
 from cuboid.callbacks import CommLedger, CuboidMonitor
 from cuboid.checkpoint import CheckpointDamaged, CheckpointError, PretrainedError, latest_checkpoint, read_model_weights
 from cuboid.context import ContextParallelError
-from cuboid.dropin import LoaderError
+from cuboid.dropin import LoaderError, whole_state_dict
 from cuboid.experts import ExpertParallelError
 from cuboid.job import PeerBatchesDiffer, RunDirectoryBusy, UnevenBatchesError
 from cuboid.parallel import Layout, LayoutError, PlanError
@@ -53,6 +53,7 @@ __all__ = [
     "UnevenBatchesError",
     "latest_checkpoint",
     "read_model_weights",
+    "whole_state_dict",
 ]
 
 

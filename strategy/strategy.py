@@ -252,6 +252,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.accelerator.setup(trainer)
         lm = self.lightning_module
         check_no_fsdp1(lm)
+        self.release_calls(lm)  # an earlier run's gathered methods (cuboid.dropin.kept): in a run FSDP2's hooks gather
         self.checkpointer.guard_callbacks(trainer.callbacks)
         hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)

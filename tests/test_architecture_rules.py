@@ -57,6 +57,9 @@ ALLOWED = {
     ("dropin/averaging.py", "setattr(root.get_submodule(owner), attribute)"): "the module's own tuple of copies of "
     "its parameters, placed as its parameters",
     ("dropin/averaging.py", "setattr(owner, attribute)"): "the same tuple whole again after the run",
+    ("dropin/kept.py", "object.__setattr__(module, name)"): "a library method of the model kept sharded after the "
+    "run, wrapped on the instance to gather what it reads, as torch's register_fsdp_forward_method does; taken "
+    "away at the next setup",
     ("parallel/batchnorm.py", "setattr(module, name)"): "a BatchNorm child replaced by its synchronized twin, as "
     "torch's SyncBatchNorm.convert_sync_batchnorm does",
     ("parallel/parallelize.py", "setattr(root.get_submodule(owner), attr)"): "tied weights tied again after "

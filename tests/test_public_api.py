@@ -46,6 +46,7 @@ PUBLIC = [
     "cuboid.CuboidMonitor",
     "cuboid.latest_checkpoint",
     "cuboid.read_model_weights",
+    "cuboid.whole_state_dict",
     "cuboid.layout.Layout",
     "cuboid.layout.LayoutError",
     "cuboid.layout.main",

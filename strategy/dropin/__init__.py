@@ -10,6 +10,7 @@ from cuboid.dropin.averaging import (
     shard_alike,
     whole_weights,
 )
+from cuboid.dropin.kept import release_calls, serve_calls, whole_state_dict
 from cuboid.dropin.loaders import LoaderError, check_sampler_ranks, keep_library_batches
 from cuboid.dropin.replicate import (
     Replication,
@@ -30,6 +31,9 @@ __all__ = [
     "whole_weights",
     "check_averaging",
     "LoaderError",
+    "release_calls",
+    "serve_calls",
+    "whole_state_dict",
     "check_sampler_ranks",
     "keep_library_batches",
     "STEP_METHODS",

@@ -28,6 +28,7 @@ from cuboid.dropin.averaging import (
     shard_own_copies,
     whole_own_copies,
 )
+from cuboid.dropin.kept import release_calls, serve_calls
 from cuboid.dropin.replicate import choose_replication, first_asked, has_unused_parameters, replicate_module
 from cuboid.dropin.units import explain_freed_weights
 
@@ -39,6 +40,7 @@ class Replicating:
     _unsharpened_steps: int | None = None  # under DDP: batches seen while it still looks for unused parameters
     _build_hooks: dict[nn.Module, dict[str, set[int]]] | None = None  # the forward hooks Cuboid's own build added
     model: Any
+    release_calls = staticmethod(release_calls)  # at setup's start: an earlier run's gathered methods taken away
 
     @contextmanager
     def noting_build(self, lm: nn.Module) -> Iterator[None]:
@@ -87,6 +89,7 @@ class Replicating:
             reason = self._stays_sharded(lm)
             if reason is not None:
                 refuse_pickling(lm, reason)
+                self._serve_calls(lm, reason)
                 return
             fitted = lm._trainer.state.fn == TrainerFn.FITTING  # the optimizers are this run's
             make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
@@ -100,6 +103,21 @@ class Replicating:
                            "fit shards it anew)")  # fmt: skip
         if not any(t.is_meta for t in itertools.chain(lm.parameters(), lm.buffers())):  # refused before materializing
             lm.cpu()
+
+    def _serve_calls(self, lm: nn.Module, reason: str) -> None:
+        """A model kept sharded answers a library's own methods (:mod:`cuboid.dropin.kept`), said once."""
+        split = self.layout.pp > 1  # type: ignore[attr-defined]
+        order = self.checkpointer.model_order or []  # type: ignore[attr-defined]
+        stages = (self.device_mesh["pp"].get_group(), order) if split else None  # type: ignore[attr-defined]
+        served = serve_calls(lm, reason if split else None, stages)
+        what = (
+            "are refused by name (each rank holds only its stages)"
+            if split
+            else "gather what they read for each call (every rank makes it)"
+        )
+        calls = f"; its methods {', '.join(served)} {what}" if served else ""
+        rank_zero_info(f"Cuboid: the model stays sharded after the run ({reason}){calls}; cuboid.whole_state_dict(model) "
+                       "gives its whole weights for a plain module (every rank calls it)")  # fmt: skip
 
     def _stays_sharded(self, lm: nn.Module) -> str | None:
         trainer = getattr(lm, "_trainer", None)

@@ -41,6 +41,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
     plan = {"gen.0": "colwise", "gen.2": "rowwise", "disc.0": "colwise", "disc.2": "rowwise"}  # a GAN at tp2
     specs += [{"name": "cuboid_tp2-manual_gan", "strategy": "cuboid", "module": "manual_gan", "fit_again": True,
                "kwargs": {"tensor_parallel": 2, "tensor_parallel_plan": plan}}]  # fmt: skip
+    # kept sharded after the run (activation checkpointing): the methods a library calls gathered for the call
+    specs += [{"name": "cuboid_kept-method_step", "strategy": "cuboid_sharded", "module": "method_step",
+               "fit_again": True, "kwargs": {"activation_checkpointing": "full"}}]  # fmt: skip
     # (not under DDP: Lightning's re-made loader hands the step [[x, y]] for (x, y), and it stops)
     specs += [{"name": f"{strategy}-batched_sampler", "strategy": strategy, "module": "batched_sampler"}
               for strategy in ("cuboid", "cuboid_sharded")]  # fmt: skip
@@ -244,6 +247,31 @@ def one_process() -> dict:
     """The two ranks' batches as one: 8 samples a step (the permutation the two ranks deal, rank 0 every even
     position)."""
     return _gan_in_one_process(8)
+
+
+@pytest.mark.slow
+def test_a_model_kept_sharded_answers_a_librarys_calls_after_fit(results) -> None:
+    """A model the run's end keeps sharded (activation checkpointing, here at dp2 with FSDP2; issue 66, item 3)
+    stays sharded (an instance of the user's class: FSDP2's subclass of it), and on every rank a method other than ``forward`` (the module's
+    ``loss``, which calls its submodule's own ``loss``) gives DDP's value, gathered for the call;
+    ``cuboid.whole_state_dict`` loads into a plain module with DDP's value; ``state_dict()`` itself keeps the
+    shards, and pickling is refused by name. A second fit trains on from the first's weights as DDP's does."""
+    ddp, kept = results["ddp-method_step"], results["cuboid_kept-method_step"]
+    after = kept["after_fit"]
+    assert {k: after[k] for k in ("class", "model_class", "kinds")} == {  # FSDP2's subclass of the user's class
+        "class": "FSDPMethodStep", "model_class": "FSDPMethodStep", "kinds": ["DTensor"]}, after  # fmt: skip
+    for call, want in (("method", "method"), ("predict_step", "predict_step"), ("whole_load", "method")):
+        assert isinstance(after[call], float), (call, after[call])
+        assert abs(after[call] - ddp["after_fit"][want]) <= LOSS_RTOL * abs(ddp["after_fit"][want]), (call, after)
+    assert isinstance(after["plain_load"], str), after["plain_load"]  # shards: a plain module cannot take them
+    assert "cannot be pickled: CuboidStrategy keeps it sharded after the run (activation_checkpointing" in after[
+        "unpickled"], after["unpickled"]  # fmt: skip
+    said = [line for line in kept["log"] if line.startswith("Cuboid: the model stays sharded after the run")]
+    assert said and "MethodStep.loss, Net.loss gather what they read for each call" in said[0], said
+    steps = max(abs(a - b) / abs(b) for a, b in zip(kept["again"]["losses"], ddp["again"]["losses"], strict=True))
+    assert len(kept["again"]["losses"]) == 4 and steps <= LOSS_RTOL, kept["again"]["losses"]
+    assert max((kept["again"]["params"][k] - v).abs().max().item() for k, v in ddp["again"]["params"].items()) <= (
+        PARAM_ATOL)  # fmt: skip
 
 
 @pytest.mark.slow

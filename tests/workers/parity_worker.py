@@ -510,11 +510,21 @@ def run(spec: dict, out_dir: Path) -> None:
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, own)  # pipeline stages hold different parameters
     full = {k: v for share in shares for k, v in share.items()}
+    kept = None
+    if spec.get("whole_after_fit"):  # what a library reads of a model kept sharded (cuboid.dropin.kept), every rank
+        from cuboid import whole_state_dict
+
+        try:
+            method: object = type(module.model.get_input_embeddings()).__name__
+        except RuntimeError as err:  # refused by name where a rank holds only its stages
+            method = str(err)
+        kept = {"whole": whole_state_dict(module), "method": method}
     if dist.get_rank() == 0:
         result = {
             "losses": facts.losses,
             "link_targets_complete": facts.link_targets_complete,
             "params": full,
+            "kept": kept,
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),
             "grad_norm": float(trainer.precision_plugin.last_grad_norm or float("nan")),

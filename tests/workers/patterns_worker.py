@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity_lib import each_spec  # noqa: E402
 from patterns import PATTERNS, data  # noqa: E402
 
-from cuboid import CuboidStrategy, compat, read_model_weights  # noqa: E402  (importing cuboid registers "cuboid")
+from cuboid import CuboidStrategy, compat, read_model_weights, whole_state_dict  # noqa: E402  (importing cuboid registers "cuboid")
 
 
 def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -183,6 +183,7 @@ def _after_fit(cls: type, module: L.LightningModule, trainer: L.Trainer) -> dict
         got["method"] = _tried_value(lambda: module.loss((x, y)))
         got["predict_step"] = _tried_value(lambda: module.predict_step((x, y), 0).sum())  # one FSDP registered
         got["plain_load"] = _tried_value(lambda: _loaded(cls, module.state_dict()).loss((x, y)))
+        got["whole_load"] = _tried_value(lambda: _loaded(cls, whole_state_dict(module)).loss((x, y)))  # every rank
         got["unpickled"] = _tried_value(lambda: pickle.loads(pickle.dumps(module)).loss((x, y)))
     return got
 
