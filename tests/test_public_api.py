@@ -47,6 +47,7 @@ PUBLIC = [
     "cuboid.latest_checkpoint",
     "cuboid.read_model_weights",
     "cuboid.whole_state_dict",
+    "cuboid.ray.RayCuboidStrategy",
     "cuboid.layout.Layout",
     "cuboid.layout.LayoutError",
     "cuboid.layout.main",
