@@ -257,6 +257,12 @@ def check_external_launch(env: ClusterEnvironment, num_nodes: int, devices: int)
         return
     check_slurm_tasks(env, num_nodes, devices)  # SLURM's own message first
     world, local = env.world_size(), env.local_rank()
+    if world != num_nodes * devices and any(c.__name__ == "RayLightningEnvironment" for c in type(env).__mro__):
+        raise LayoutError(
+            f"Ray started {world} workers, but the Trainer expects num_nodes ({num_nodes}) x devices ({devices}) = "
+            f"{num_nodes * devices}. Under Ray Train use cuboid.ray.RayCuboidStrategy (the cuboid[ray] extra), which "
+            "takes the world from Ray's workers as Ray's own strategies do."
+        )
     if world != num_nodes * devices or local >= devices:
         raise LayoutError(
             f"The launcher started {world} processes (this one local rank {local}), but the Trainer expects "

@@ -188,3 +188,44 @@ def test_a_pytorchjob_without_torchrun_trains_under_kubeflows_environment(tmp_pa
     done = _summary(tmp_path / "run")
     assert done["cluster_environment"] == "KubeflowEnvironment" and done["world_size"] == 2
     assert done["losses"] == uninterrupted["losses"] and done["val_loss"] == uninterrupted["val_loss"]
+
+
+def _lose_the_rendezvous_host(tmp: Path) -> dict:
+    """The job on two agents; once a checkpoint at step >= 8 is complete, SIGKILL the agent that hosts the
+    rendezvous endpoint and its worker. Returns the survivor's exit code, the seconds until every process of it is
+    gone, and its log."""
+    port = free_port()
+    agents = _agents(tmp, port)
+    checkpoints = tmp / "run" / "checkpoints"
+    try:
+        _wait_for("a checkpoint at step 8 or later", lambda: _checkpoint_step(latest_checkpoint(checkpoints)) >= 8, 240)
+        host = next(a for a in agents if _hosts_rendezvous(a, port))
+        survivor = next(a for a in agents if a is not host)
+        family = [psutil.Process(survivor.pid), *psutil.Process(survivor.pid).children(recursive=True)]
+        killed_at = time.monotonic()
+        for process in [psutil.Process(host.pid), *psutil.Process(host.pid).children(recursive=True)]:
+            process.send_signal(signal.SIGKILL)
+        code = survivor.wait(timeout=600)
+        gone = _wait_for("the survivor's workers to exit", lambda: not any(p.is_running() and
+                         p.status() != psutil.STATUS_ZOMBIE for p in family), 120)  # fmt: skip
+    finally:
+        for agent in agents:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
+                    process.send_signal(signal.SIGKILL)
+            agent.wait()
+    log = (tmp / f"agent{agents.index(survivor)}.log").read_text(errors="replace")
+    return {"code": code, "ended_s": gone - killed_at, "log": log}
+
+
+@pytest.mark.slow
+def test_a_lost_rendezvous_host_ends_every_process_in_bounded_time(tmp_path: Path) -> None:
+    """What cannot recover (issue 68): the node hosting ``--rdzv-endpoint`` lost with its worker. The survivor's
+    worker stops (Cuboid's watchdog names the silent rank, or gloo's closed connection ends it) and its agent,
+    which cannot reach the rendezvous to restart, exits non-zero with torchrun's one line saying so; every
+    process of it is gone within a minute (measured: 0.9 to 6.9 s)."""
+    ran = _lose_the_rendezvous_host(tmp_path)
+    said = [line for line in ran["log"].splitlines() if line.startswith("torch.distributed.elastic.rendezvous")]
+    assert ran["code"] == 1 and ran["ended_s"] < 60, (ran["code"], ran["ended_s"], ran["log"][-4000:])
+    assert said and said[-1].endswith("RendezvousConnectionError: The connection to the C10d store has failed. See "
+                                      "inner exception for details."), ran["log"][-4000:]  # fmt: skip

@@ -1,14 +1,15 @@
 """Ray Train (issue 68, item 3): ``TorchTrainer`` workers on a Ray started on loopback, each building
 ``L.Trainer(strategy=RayCuboidStrategy(...), plugins=[RayLightningEnvironment()], devices="auto")`` and calling
 ``prepare_trainer``, as Ray's Lightning guide does (tests/workers/ray_job.py); the same loop under torchrun as the
-reference. One Ray session runs three jobs:
+reference. One Ray session runs four jobs:
 
 - ``killed``: 2 workers (dp2), 2 epochs, a checkpoint reported to Ray each epoch; rank 1 kills itself (SIGKILL) at
   step 6, Ray's ``FailureConfig(max_failures=1)`` restarts the group, which resumes from
   ``ray.train.get_checkpoint()`` (step 4);
 - ``resume_tp2``: the same Ray run started again at 4 workers, tp2 (dp2 x tp2), for a third epoch: it resumes the
   run's latest checkpoint, resharded;
-- ``tp2``: 4 workers at dp2 x tp2 from the start, one epoch.
+- ``tp2``: 4 workers at dp2 x tp2 from the start, one epoch;
+- ``plain``: ``cuboid.CuboidStrategy`` itself, refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ JOBS = [
     {"name": "killed", "workers": 2, "strategy": {}, "epochs": 2, "kill_at": 6},
     {"name": "resume_tp2", "workers": 4, "strategy": {"tensor_parallel": 2}, "epochs": 3, "run": "killed"},
     {"name": "tp2", "workers": 4, "strategy": {"tensor_parallel": 2}, "epochs": 1},
+    {"name": "plain", "workers": 2, "strategy": {}, "epochs": 1, "flavour": "plain", "max_failures": 0},
 ]
 REFERENCES = {"ref_dp2": (2, {}, 3), "ref_tp2": (4, {"tensor_parallel": 2}, 1)}
 
@@ -69,7 +71,18 @@ def test_ray_workers_train_at_dp2_and_dp2_x_tp2_as_torchrun_does(ran) -> None:
     for mine, theirs in zip(records["tp2"], records["ref_tp2"], strict=True):
         assert sorted(_losses(mine)) == [1, 2, 3, 4]
         assert _rel(_losses(mine), _losses(theirs)) <= LOSS_RTOL
-    assert all(d["error"] is None for d in ran["drivers"].values()), ran["drivers"]
+    assert all(d["error"] is None for n, d in ran["drivers"].items() if n != "plain"), ran["drivers"]
+
+
+@pytest.mark.slow
+def test_the_plain_strategy_under_ray_says_to_use_the_ray_flavour(ran) -> None:
+    """``cuboid.CuboidStrategy`` (not the Ray flavour) with ``devices="auto"`` under Ray: refused before any work,
+    naming Ray's worker count and ``cuboid.ray.RayCuboidStrategy``."""
+    said = ran["drivers"]["plain"]["error"]
+    assert (
+        "Ray started 2 workers, but the Trainer expects num_nodes (1) x devices (1) = 1. Under Ray Train use "
+        "cuboid.ray.RayCuboidStrategy" in said
+    ), said
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ Usage:
 
 A job: {"name", "workers", "strategy": CuboidStrategy's arguments, "epochs", "run": Ray's run name (the same name
 resumes that run's latest checkpoint), "kill_at": a step at which rank 1 kills itself once (SIGKILL),
-"flavour": "cuboid" | "ray_ddp" | "ray_fsdp" (Ray's own strategies, for comparison)}. Under Ray each epoch's end reports a
+"flavour": "cuboid" | "plain" (cuboid.CuboidStrategy, not the Ray flavour) | "ray_ddp" | "ray_fsdp" (Ray's own
+strategies, for comparison), "max_failures" (1)}. Under Ray each epoch's end reports a
 checkpoint (RayTrainReportCallback); a restarted or resumed worker fits from ray.train.get_checkpoint().
 """
 
@@ -56,8 +57,11 @@ def loop(config: dict) -> None:
         from cuboid.ray import RayCuboidStrategy
 
         flavour = config.get("flavour", "cuboid")
+        from cuboid import CuboidStrategy
+
         ray_own = {"ray_fsdp": RayFSDPStrategy, "ray_ddp": RayDDPStrategy}  # Ray's own, for comparison
-        strategy = ray_own[flavour]() if flavour in ray_own else RayCuboidStrategy(**config["strategy"])
+        cuboid = CuboidStrategy if flavour == "plain" else RayCuboidStrategy  # (plain: refused, naming the flavour)
+        strategy = ray_own[flavour]() if flavour in ray_own else cuboid(**config["strategy"])
         callbacks.append(RayTrainReportCallback())
         plugins.append(RayLightningEnvironment())
         devices: int | str = "auto"
@@ -120,14 +124,18 @@ def drive(out: Path, jobs: list[dict]) -> None:
                 run_config=RunConfig(
                     storage_path=str(out / "ray_store"),
                     name=job.get("run", job["name"]),
-                    failure_config=FailureConfig(max_failures=1),
+                    failure_config=FailureConfig(max_failures=job.get("max_failures", 1)),
                 ),  # fmt: skip
             )
             start = time.perf_counter()
-            result = trainer.fit()
-            summary = {"error": repr(result.error) if result.error else None, "metrics": result.metrics,
-                       "checkpoint": result.checkpoint.path if result.checkpoint else None,
-                       "seconds": time.perf_counter() - start}  # fmt: skip
+            try:
+                result = trainer.fit()
+            except Exception as err:  # noqa: BLE001  (Ray Train 2's fit raises the workers' error: the result)
+                summary = {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - start}
+            else:
+                summary = {"error": repr(result.error) if result.error else None, "metrics": result.metrics,
+                           "checkpoint": result.checkpoint.path if result.checkpoint else None,
+                           "seconds": time.perf_counter() - start}  # fmt: skip
             (out / f"{job['name']}-driver.json").write_text(json.dumps(summary, default=str))
             print(f"ray_job: {job['name']} done in {summary['seconds']:.1f} s", flush=True)
     finally:
