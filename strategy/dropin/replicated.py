@@ -32,6 +32,8 @@ from cuboid.dropin.kept import release_calls, serve_calls
 from cuboid.dropin.replicate import choose_replication, first_asked, has_unused_parameters, replicate_module
 from cuboid.dropin.units import explain_freed_weights
 
+STOPPED = "the run stopped on an error"
+
 
 class Replicating:
     """What the Trainer's strategy does for a model it replicates (needs the strategy's ``layout``, ``dp_group``,
@@ -89,7 +91,8 @@ class Replicating:
             reason = self._stays_sharded(lm)
             if reason is not None:
                 refuse_pickling(lm, reason)
-                self._serve_calls(lm, reason)
+                if reason != STOPPED:  # (a run that stopped on an error is ending: nothing will call the model)
+                    self._serve_calls(lm, reason)
                 return
             fitted = lm._trainer.state.fn == TrainerFn.FITTING  # the optimizers are this run's
             make_plain(lm, self.optimizers if fitted else ())  # type: ignore[attr-defined]
@@ -122,7 +125,7 @@ class Replicating:
     def _stays_sharded(self, lm: nn.Module) -> str | None:
         trainer = getattr(lm, "_trainer", None)
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
-            return "the run stopped on an error"  # a peer may be gone: no collective now
+            return STOPPED  # a peer may be gone: no collective now
         settings, degrees = self.settings, self._other_degrees()  # type: ignore[attr-defined]
         if self._build_hooks is not None:  # Cuboid's own tensor parallel: its hooks known, undone with the sharding
             degrees.pop("tensor_parallel")

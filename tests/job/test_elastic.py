@@ -85,15 +85,20 @@ def _run_with_a_fault(tmp: Path, kill: str) -> dict:
         resumed_at = _wait_for("the restarted workers' first step", again, 240)
         codes = [None if (kill == "node" and a is victim) else a.wait(timeout=240) for a in agents]
     finally:
-        for agent in agents:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
-                    process.send_signal(signal.SIGKILL)
-            agent.wait()
+        _kill_all(agents)
     text = "".join(p.read_text(errors="replace") for p in logs)
     found = re.search(r"ckpt_path=auto: resuming from \S*step=(\d+)\.ckpt", text)
     assert found, text[-6000:]
     return {"codes": codes, "step": int(found.group(1)), "again_s": resumed_at - killed_at, "logs": text}
+
+
+def _kill_all(agents: list[subprocess.Popen]) -> None:
+    """Every agent of the test and its workers SIGKILLed, and reaped: nothing is left behind."""
+    for agent in agents:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
+                process.send_signal(signal.SIGKILL)
+        agent.wait()
 
 
 def _hosts_rendezvous(agent: subprocess.Popen, port: int) -> bool:
@@ -209,11 +214,7 @@ def _lose_the_rendezvous_host(tmp: Path) -> dict:
         gone = _wait_for("the survivor's workers to exit", lambda: not any(p.is_running() and
                          p.status() != psutil.STATUS_ZOMBIE for p in family), 120)  # fmt: skip
     finally:
-        for agent in agents:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
-                    process.send_signal(signal.SIGKILL)
-            agent.wait()
+        _kill_all(agents)
     log = (tmp / f"agent{agents.index(survivor)}.log").read_text(errors="replace")
     return {"code": code, "ended_s": gone - killed_at, "log": log}
 
