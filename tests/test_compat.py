@@ -1053,3 +1053,21 @@ def test_lightnings_averaging_callbacks_keep_their_whole_copy_where_compat_reads
     copies = compat.averaged_copies(made)
     assert len(copies) == len(made) and all(type(c) is type(module) and c is not module for c in copies)
     assert all(torch.equal(c.layer.weight, module.layer.weight) for c in copies)
+
+
+def test_dtensor_beside_a_plain_tensor_raises_the_mixed_error_kept_reads() -> None:
+    """``cuboid.dropin.kept`` gathers a kept-sharded model for a library's method only when the method meets a
+    sharded weight beside a plain tensor: it recognizes DTensor's dispatch error by ``compat.MIXED_TENSORS``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        weight = DTensor.from_local(torch.ones(2, 3), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(RuntimeError, match=compat.MIXED_TENSORS):
+            torch.nn.functional.linear(torch.ones(4, 3), weight)
+    finally:
+        if started:
+            dist.destroy_process_group()

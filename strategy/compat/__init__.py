@@ -396,5 +396,5 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
     start_dtensor_rng,
     unflatten_mesh,
 )
-from cuboid.compat.fsdp import drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
+from cuboid.compat.fsdp import MIXED_TENSORS, drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
 from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)

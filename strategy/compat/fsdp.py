@@ -44,6 +44,12 @@ _WRAPPED_METHOD = "register_fsdp_forward_method.<locals>.wrapped_method"
 _DISTRIBUTED_MARK = "_distribute_module_applied"  # torch/distributed/tensor/_api.py distribute_module
 
 
+# What DTensor's dispatch raises when an op meets a DTensor beside a plain tensor (torch/distributed/tensor/
+# _dispatch.py, ``_try_replicate_spec_for_scalar_tensor``: "{op}: got mixed torch.Tensor and DTensor, need to convert
+# all torch.Tensor to DTensor ..."): a module's own method reading sharded weights (cuboid.dropin.kept). Pinned.
+MIXED_TENSORS = "got mixed torch.Tensor and DTensor"
+
+
 def fsdp_units(root: nn.Module) -> list[nn.Module]:
     """The modules under ``root`` (itself included) that ``fully_shard`` was applied to."""
     return [m for m in root.modules() if isinstance(m, FSDPModule)]

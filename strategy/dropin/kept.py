@@ -4,10 +4,11 @@ whole weights too big for the host) still answers a library's own calls after ``
 
 - A method other than ``forward`` (scvi-tools' ``module.inference``, a ``loss`` or ``generate`` the library calls):
   only ``forward`` goes through FSDP2's hooks, so such a method would meet sharded DTensors beside plain inputs.
-  Each such method of the model's modules is gathered for the call (:func:`serve_calls`): the units that hold the
-  module's parameters are unsharded with FSDP2's public ``FSDPModule.unshard``, the method runs, and they are
-  sharded again. Each call is a collective over the units' meshes, as a forward is: every rank makes it. Under
-  pipeline parallel a rank holds only its stages, so such a call is refused by name instead.
+  Each such method of the model's modules runs as it is first, and when it meets a sharded weight once more
+  gathered (:func:`serve_calls`): the units that hold the module's parameters are unsharded with FSDP2's public
+  ``FSDPModule.unshard``, the method runs, and they are sharded again. That second run is a collective over the
+  units' meshes, as a forward is: every rank makes it. Under pipeline parallel a rank holds only its stages: a
+  call that fails there is refused by name instead.
 - A ``state_dict()`` a plain module can load: :func:`whole_state_dict` (every rank calls it), whole CPU tensors under
   the model's own names, every pipeline stage's included. ``module.state_dict()`` itself keeps giving the shards (a
   caller on one rank only must not wait on the others).
@@ -66,8 +67,8 @@ def serve_calls(
     root: nn.Module, refusal: str | None = None, stages: tuple[dist.ProcessGroup, list[str]] | None = None
 ) -> list[str]:
     """Wrap each library method of ``root``'s modules (:func:`library_methods`) so that a call after the run
-    gathers what it reads; with ``refusal`` (why it cannot be gathered: a pipeline split) a call raises a
-    ``RuntimeError`` that says so and what to do. ``stages``: under pipeline parallel, the group of the ranks whose
+    gathers what it reads when it needs to; with ``refusal`` (why it cannot be gathered: a pipeline split) a call
+    that fails raises a ``RuntimeError`` that says so and what to do. ``stages``: under pipeline parallel, the group of the ranks whose
     stages make the model and its parameter names in the model's order, for :func:`whole_state_dict`. Returns the
     wrapped methods, as ``Class.method``."""
     if stages is not None:
@@ -79,7 +80,7 @@ def serve_calls(
         units = list(dict.fromkeys([*([unit] if unit is not None else []), *compat.fsdp_units(module)]))
         for name in library_methods(module):
             method = getattr(module, name)
-            call = _refused(module, name, refusal) if refusal else _gathered(method, units)
+            call = _refused(module, method, refusal) if refusal else _gathered(method, units)
             _WRAPPERS.add(call)
             object.__setattr__(module, name, call)  # an instance attribute: the class stays the user's
             wrapped.append(f"{_user_class(module).__name__}.{name}")
@@ -124,18 +125,30 @@ def _owners(module: nn.Module, unit: nn.Module | None, owner: dict[nn.Module, nn
 
 
 def _gathered(method: Callable[..., Any], units: list[nn.Module]) -> Callable[..., Any]:
+    """``method`` run as it is first (most of a library's calls need no weight: a count, a config, a submodule's
+    own forward, which FSDP2's hooks gather), and only when it meets a sharded parameter beside a plain tensor
+    (DTensor's "mixed" error, :data:`cuboid.compat.MIXED_TENSORS`) once more with ``units`` gathered. A call that
+    needs no gathering stays a local call (a caller on one rank alone does not wait on the others)."""
+
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_calling, "on", False):
+        if getattr(_calling, "on", False):  # inside an outer call, which gathers for the whole of it
             return method(*args, **kwargs)
         _calling.on = True
         try:
+            try:
+                return method(*args, **kwargs)
+            except RuntimeError as err:
+                if compat.MIXED_TENSORS not in str(err):
+                    raise
             for unit in units:  # a collective over each unit's mesh, in the same order on every rank
                 unit.unshard()  # type: ignore[operator]
-            return method(*args, **kwargs)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for unit in units:
+                    unit.reshard()  # type: ignore[operator]
         finally:
-            for unit in units:
-                unit.reshard()  # type: ignore[operator]
             _calling.on = False
 
     return call
@@ -146,15 +159,21 @@ def _user_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
-def _refused(module: nn.Module, name: str, why: str) -> Callable[..., Any]:
-    cls = _user_class(module).__name__
+def _refused(module: nn.Module, method: Callable[..., Any], why: str) -> Callable[..., Any]:
+    """``method`` run as it is (one that reads no absent stage works); when it fails, a ``RuntimeError`` that says
+    why this rank cannot run it, and what to call instead, raised from its own error."""
+    cls, name = _user_class(module).__name__, method.__name__
 
+    @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{cls}.{name}() after the run: CuboidStrategy keeps the model split ({why}), each rank holding only "
-            f"its own stages, so {name}() cannot run on it here. Build the model anew and load "
-            "cuboid.whole_state_dict(model) into it (every rank calls it), or read a saved checkpoint with "
-            "cuboid.read_model_weights(path)."
-        )
+        try:
+            return method(*args, **kwargs)
+        except Exception as err:
+            raise RuntimeError(
+                f"{cls}.{name}() after the run: CuboidStrategy keeps the model split ({why}), each rank holding "
+                f"only its own stages, so {name}() cannot run on it here ({type(err).__name__}: {err}). Build the "
+                "model anew and load cuboid.whole_state_dict(model) into it (every rank calls it), or read a saved "
+                "checkpoint with cuboid.read_model_weights(path)."
+            ) from err
 
     return call

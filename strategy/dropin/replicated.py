@@ -114,9 +114,9 @@ class Replicating:
         stages = (self.device_mesh["pp"].get_group(), order) if split else None  # type: ignore[attr-defined]
         served = serve_calls(lm, reason if split else None, stages)
         what = (
-            "are refused by name (each rank holds only its stages)"
+            "are refused by name where they fail (each rank holds only its stages)"
             if split
-            else "gather what they read for each call (every rank makes it)"
+            else "gather what they read when a call meets a sharded weight (every rank makes such a call)"
         )
         calls = f"; its methods {', '.join(served)} {what}" if served else ""
         rank_zero_info(f"Cuboid: the model stays sharded after the run ({reason}){calls}; cuboid.whole_state_dict(model) "

@@ -267,7 +267,7 @@ def test_a_model_kept_sharded_answers_a_librarys_calls_after_fit(results) -> Non
     assert "cannot be pickled: CuboidStrategy keeps it sharded after the run (activation_checkpointing" in after[
         "unpickled"], after["unpickled"]  # fmt: skip
     said = [line for line in kept["log"] if line.startswith("Cuboid: the model stays sharded after the run")]
-    assert said and "MethodStep.loss, Net.loss gather what they read for each call" in said[0], said
+    assert said and "MethodStep.loss, Net.loss gather what they read when a call meets" in said[0], said
     steps = max(abs(a - b) / abs(b) for a, b in zip(kept["again"]["losses"], ddp["again"]["losses"], strict=True))
     assert len(kept["again"]["losses"]) == 4 and steps <= LOSS_RTOL, kept["again"]["losses"]
     assert max((kept["again"]["params"][k] - v).abs().max().item() for k, v in ddp["again"]["params"].items()) <= (
@@ -339,3 +339,37 @@ def test_a_librarys_checkpoint_io_plugin_is_used_as_ddp_uses_it(strategy: str, r
     assert cuboid["best_state"].keys() == ddp["best_state"].keys()
     assert all((cuboid["best_state"][k] - v).abs().max() <= PARAM_ATOL for k, v in ddp["best_state"].items())
     assert cuboid["validated"][0]["val_loss"] == pytest.approx(ddp["validated"][0]["val_loss"], rel=LOSS_RTOL)
+
+
+class _Stage(torch.nn.Module):
+    """A pipeline stage's module: its own weight, and a method that needs a piece another rank holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head: torch.nn.Linear | None = None  # (on another rank)
+        self.body = torch.nn.Linear(2, 2)
+
+    def width(self) -> int:
+        return self.body.in_features
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))  # type: ignore[misc]
+
+
+def test_after_a_pipeline_run_a_method_that_needs_another_stage_is_refused_by_name() -> None:
+    """Under pp (``serve_calls`` with a refusal): a method that reads only this rank's pieces runs as it is (a
+    caller on one rank alone waits on nobody); one that fails raises a ``RuntimeError`` that names the method, why
+    this rank cannot run it and what to call instead, from the method's own error. ``release_calls`` undoes it."""
+    from cuboid.dropin import release_calls, serve_calls
+
+    stage = _Stage()
+    wrapped = serve_calls(stage, "pipeline_parallel=2 split it otherwise than over the data-parallel ranks")
+    assert wrapped == ["_Stage.width", "_Stage.score"], wrapped
+    assert stage.width() == 2
+    with pytest.raises(RuntimeError, match=r"_Stage.score\(\) after the run: CuboidStrategy keeps the model split "
+                       r"\(pipeline_parallel=2 .*\(TypeError: 'NoneType' object is not callable\)\. Build the "
+                       r"model anew and load cuboid.whole_state_dict\(model\)") as caught:  # fmt: skip
+        stage.score(torch.ones(1, 2))
+    assert isinstance(caught.value.__cause__, TypeError)
+    release_calls(stage)
+    assert "score" not in vars(stage) and "width" not in vars(stage)

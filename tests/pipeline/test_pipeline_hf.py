@@ -194,10 +194,12 @@ def test_after_a_pipeline_run_the_whole_weights_come_from_every_stage(results) -
     assert set(final) <= set(whole), sorted(set(final) - set(whole))[:3]
     assert all(torch.equal(whole[k].float(), v.float()) for k, v in final.items())
     assert not any(isinstance(v, DTensor) for v in whole.values())
-    said = got["kept"]["method"]
-    assert said.startswith("Qwen3ForCausalLM.get_input_embeddings() after the run: CuboidStrategy keeps the model "
-                           "split (pipeline_parallel=2"), said  # fmt: skip
-    assert "cuboid.whole_state_dict(model)" in said, said
+    said = got["kept"]["method"]  # by rank; ranks 0 and 1 hold the first stage, with the embedding
+    assert said[0] == said[1] == "Embedding", said
+    for other in said[2:]:  # the last stage: the method runs, or fails and is refused by name
+        assert other in ("Embedding", "NoneType") or other.startswith(
+            "Qwen3ForCausalLM.get_input_embeddings() after the run: CuboidStrategy keeps the model split "
+            "(pipeline_parallel=2"), said  # fmt: skip
 
 
 @pytest.mark.slow

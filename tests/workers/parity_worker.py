@@ -514,11 +514,13 @@ def run(spec: dict, out_dir: Path) -> None:
     if spec.get("whole_after_fit"):  # what a library reads of a model kept sharded (cuboid.dropin.kept), every rank
         from cuboid import whole_state_dict
 
-        try:
+        try:  # a library method that reads nothing absent from this rank's stage runs as it is
             method: object = type(module.model.get_input_embeddings()).__name__
-        except RuntimeError as err:  # refused by name where a rank holds only its stages
+        except RuntimeError as err:  # else refused by name
             method = str(err)
-        kept = {"whole": whole_state_dict(module), "method": method}
+        everyone_said: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone_said, method)
+        kept = {"whole": whole_state_dict(module), "method": everyone_said}
     if dist.get_rank() == 0:
         result = {
             "losses": facts.losses,
