@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from cuboid import compat
+from cuboid.dropin.averaging import whole_weights
 
 _WRAPPERS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # what release_calls takes away
 _STAGES: weakref.WeakKeyDictionary[nn.Module, tuple[dist.ProcessGroup, list[str]]] = weakref.WeakKeyDictionary()
@@ -77,8 +78,11 @@ def serve_calls(
     _owners(root, None, owner)
     wrapped: list[str] = []
     for module, unit in owner.items():
+        names = list(library_methods(module))
+        if not names:
+            continue
         units = list(dict.fromkeys([*([unit] if unit is not None else []), *compat.fsdp_units(module)]))
-        for name in library_methods(module):
+        for name in names:
             method = getattr(module, name)
             call = _refused(module, method, refusal) if refusal else _gathered(method, units)
             _WRAPPERS.add(call)
@@ -104,8 +108,9 @@ def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     parallel the stages exchange their parts)."""
     for unit in compat.fsdp_units(module):
         unit.reshard()  # the fp32 shards: never a mixed-precision gathered copy
-    state = {k: (compat.full_tensor(v) if isinstance(v, DTensor) else v).detach().cpu().clone()
-             for k, v in module.state_dict().items()}  # fmt: skip
+    raw = module.state_dict()  # a gathered DTensor is a fresh CPU tensor already; a plain one is copied
+    state = {k: v.detach() if isinstance(raw[k], DTensor) else v.detach().cpu().clone()
+             for k, v in whole_weights(raw).items()}  # fmt: skip
     stages = _STAGES.get(module)
     if stages is None:
         return state
