@@ -25,12 +25,11 @@ from typing_extensions import override
 from cuboid import compat
 from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
+from cuboid.choosing import ChoosingLayout
 from cuboid.job import CuboidLauncher, JobGuard, prepare_launch
 from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
-    FLATTENED,
-    MESH_NAMES,
     ACMode,
     BufferBroadcast,
     BuildSettings,
@@ -44,22 +43,21 @@ from cuboid.parallel import (
 )
 from cuboid.pipeline import Pipelining, batch_and_index
 from cuboid.replicas import FaultTolerance, ReplicaGroups
-from cuboid.step import CuboidPrecision, DeferMode, LossParallel, NonFiniteGuard, plain_output
+from cuboid.step import DeferMode, LossParallel, NonFiniteGuard, plain_output
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
 
 
-class CuboidStrategy(CheckpointHooks, MeshStrategy):
+class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
     """Train one LightningModule on a pp x dp_replicate x dp_shard x cp x tp cuboid of devices.
 
-    FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard``
-    (replicated over ``dp_replicate`` for HSDP); tensor parallelism (DTensor) splits layers over
-    ``tp`` from a declarative plan. The LightningModule needs no parallel code: Cuboid finds the
-    repeated blocks, applies the model's tensor-parallel plan, activation checkpointing and
-    ``fully_shard`` per block. A ``configure_model`` that parallelizes by hand (it calls
-    ``fully_shard`` or makes DTensors, using ``self.device_mesh``) is respected as is.
+    FSDP2 (``fully_shard``) shards parameters, gradients and optimizer state over ``dp_shard`` (replicated over
+    ``dp_replicate`` for HSDP); tensor parallelism (DTensor) splits layers over ``tp`` from a declarative plan. The
+    LightningModule needs no parallel code: Cuboid finds the repeated blocks, applies the model's tensor-parallel
+    plan, activation checkpointing and ``fully_shard`` per block. A ``configure_model`` that parallelizes by hand
+    (``fully_shard``, DTensors, ``self.device_mesh``) is respected as is.
 
     Args (the guide in ``docs/`` has the detail of each):
         pipeline_parallel: Pipeline stages (``pp``, the outermost dim). The LightningModule's own
@@ -127,6 +125,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             ``<default_root_dir>/flight_recorder`` on a timeout. Default 20000, as torchtitan.
         broadcast_buffers: As DDP's: the first data-parallel rank's buffers (BatchNorm's statistics) changed by a
             step go to the others before each step and save; ``"all"``: every buffer; ``False``: none.
+        layout: ``"auto"``: the layout, checkpointing and micro-batches chosen at setup from one step measured on
+            fake tensors; sizes given other than 1 are kept; the choice, its predicted memory and time and the
+            runner-up are printed (``docs/planning.md``). device_memory: what it plans for per device ("80GB").
         defer_reductions: While gradients accumulate, what waits for the step's last microbatch: ``"replicas"``,
             HSDP's all-reduce across replicas (once per step, same memory); ``"all"``, the reduce-scatter too
             (unsharded gradients kept meanwhile); ``None``, nothing (``docs/performance.md``).
@@ -167,6 +168,8 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         flight_recorder: int = 20000,
         broadcast_buffers: bool | Literal["all"] = True,
         defer_reductions: DeferMode | None = "replicas",
+        layout: Literal["auto"] | None = None,
+        device_memory: float | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -187,11 +190,12 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
             activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, compile=compile, pretrained=pretrained, load_balancing=load_balancing,
             weights_init=weights_init, defer_reductions=defer_reductions, process_group_backend=process_group_backend,
-            timeout=timeout))  # fmt: skip
-        split, reshard = pipeline_split, self.settings.reshard_after_forward
-        self.pipelining = Pipelining(self.dims, pipeline_schedule, microbatches, virtual_stages, split, reshard)
+            timeout=timeout, layout=layout, device_memory=device_memory))  # fmt: skip
+        self._pipeline_args = (pipeline_schedule, microbatches, virtual_stages, pipeline_split)
+        self.pipelining = Pipelining(self.dims, *self._pipeline_args, self.settings.reshard_after_forward)
         self._replicated_format = checkpoint_format or "full"  # a replicated model writes one file, as DDP does
         self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
+        self.layout_prediction: dict[str, float] | None = None  # layout="auto": predicted bytes per rank, by kind
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
@@ -222,18 +226,16 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         compat.set_num_threads_if_needed(self.num_processes)  # as Lightning's DDP: no rank takes every core
         trainer = getattr(self.lightning_module, "_trainer", None)
         root_dir = getattr(trainer, "default_root_dir", None) or os.getcwd()
-        layout = self.start_mesh(
-            before_group=lambda backend: self.job_guard.before_process_group(root_dir, backend),
-            after_group=lambda: self.job_guard.after_process_group(self.global_rank, self.world_size),
-        )
-        self.job_guard.after_mesh(self.device_mesh, MESH_NAMES, self.global_rank)
-        commit = self.replicas.commit if self.replicas is not None else None  # may a replica group's step commit?
-        tied = self.pipelining.tied_elsewhere  # ids known once built (a method, not a lambda: the plugin pickles)
-        hooks = {"nonfinite": self.nonfinite, "deferred": self.deferred, "commit": commit, "counted_elsewhere": tied}
-        self._precision_plugin = CuboidPrecision(self.precision_plugin.precision, self.device_mesh, FLATTENED, **hooks)
-        compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
+        layout = self.start_mesh(before_group=lambda backend: self.job_guard.before_process_group(root_dir, backend),
+                                 after_group=lambda: self.job_guard.after_process_group(self.global_rank, self.world_size))  # fmt: skip
+        self._after_mesh()
         pending = ", the data-parallel ranks sharded or replicated by the model's size"
         pending *= self.settings.replicate_if_it_fits
+        pending = (
+            ", the rest chosen at setup from the measured model (layout='auto')"
+            if self.settings.layout_auto
+            else pending
+        )
         rank_zero_info(f"Cuboid layout: {layout.describe()} on {self.world_size} processes{pending}")
 
     @override
@@ -245,7 +247,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         """The checkpoint a preemption signal made the last ``fit`` save, if any."""
         return self.job_guard.preempted_to
 
-    # ------------------------------------------------------------------ model setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
@@ -255,6 +256,9 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         self.release_calls(lm)  # an earlier run's gathered methods (cuboid.dropin.kept): in a run FSDP2's hooks gather
         self.checkpointer.guard_callbacks(trainer.callbacks)
         hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
+        if self.settings.layout_auto and trainer.state.fn == TrainerFn.FITTING and not is_parallelized_by_user(lm):
+            if self.choose_layout(trainer, lm, self._pipeline_args):  # the mesh rebuilt for the chosen degrees
+                self._after_mesh()
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, self._pretrained())
@@ -275,7 +279,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
-            capacity = self._device_capacity()
+            capacity = device_bytes(self.root_device, self.settings.cpu_offload)
             if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
                 check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
@@ -287,9 +291,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
 
     def _pretrained(self) -> Mapping[str, Any]:  # the first fit's only: a later one keeps what it learned
         return {} if self._pretrained_loaded else self.settings.pretrained
-
-    def _device_capacity(self) -> float | None:
-        return device_bytes(self.root_device, self.settings.cpu_offload)
 
     def _parallelize(self, lm: pl.LightningModule, restored: set[str]) -> None:
         """Choose the route: a pipelined build keeps this rank's stages and parallelizes each, a plain one the whole
@@ -303,7 +304,7 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         lm = self.precision_plugin.convert_module(lm)
         blocks = find_blocks(lm, self.settings.block_container)
         self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
-        capacity = self._device_capacity()
+        capacity = device_bytes(self.root_device, self.settings.cpu_offload)
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
             refuse_if_too_big(self.fit_estimate, self.layout, capacity, self.settings.dp_shard_auto)
         mp_policy, pretrained = self.precision_plugin.mixed_precision_policy, self._pretrained()
@@ -324,7 +325,6 @@ class CuboidStrategy(CheckpointHooks, MeshStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
-    # ------------------------------------------------------------------ steps (pipelining owns them when pp > 1)
     def _plain_step(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         self.buffers.sync()
         with self.context.step(), self.load_balancing.step(), self.loss_parallel.step(self.lightning_module):

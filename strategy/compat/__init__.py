@@ -2,7 +2,7 @@
 
 Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
 or touched here (this package: torch.distributed's in ``compat/distributed.py``, the attention kernels that return
-their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks and Lightning's worker seeding in ``compat/data.py``, all
+their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks and Lightning's worker seeding in ``compat/data.py``, fake tensors in ``tracing.py``, all
 re-exported below), and nowhere else, each with what it is for and why no public API serves. Checked on:
 lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
 ``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
@@ -367,10 +367,11 @@ from cuboid.compat.callbacks import averaged_copies  # noqa: E402, F401  (weight
 from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401  (CUDA's preconditions)
 
 # --- litdata's StreamingDataset, Lightning's DataLoader workers and samplers: cuboid/compat/data.py ------------------
-from cuboid.compat.data import (  # noqa: E402, F401
+from cuboid.compat.data import (  # noqa: E402, F401  # noqa: E402, F401  # fmt: skip
     batch_per_sample,
     deal_over_data_parallel,
     seed_workers_by_data_rank,
+    train_data,
     wrapped_sampler,
 )
 
@@ -398,3 +399,4 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
 )
 from cuboid.compat.fsdp import MIXED_TENSORS, drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
 from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)
+from cuboid.compat.tracing import LiveBytes, StepMemory, fake_mode, track_memory  # noqa: E402, F401

@@ -94,3 +94,11 @@ def batch_per_sample(dataloader: Any) -> None:
         dataloader.sampler, dataloader.collate_fn = sampler, collate
     finally:
         object.__setattr__(dataloader, "_DataLoader__initialized", True)
+
+
+def train_data(trainer: Any) -> Any:
+    """The training data as this fit will ask for it: the loaders given to ``fit``, or the datamodule's or the
+    module's ``train_dataloader()`` (called once more). Lightning keeps where they come from in
+    ``trainer.fit_loop._data_source`` (private; no public accessor before the loop has set its data up). Used by
+    ``layout="auto"`` for one batch to measure the step on."""
+    return trainer.fit_loop._data_source.dataloader()

@@ -31,10 +31,11 @@ from cuboid.parallel.plans import (
     with_loss_parallel,
     without_loss_parallel,
 )
-from cuboid.parallel.settings import BuildSettings
+from cuboid.parallel.settings import BuildSettings, parse_bytes
 from cuboid.parallel.styles import PlanError, canonical_style
 
 __all__ = [
+    "parse_bytes",
     "ACMode",
     "BufferBroadcast",
     "BuildSettings",

@@ -39,6 +39,9 @@ class BuildSettings:
     defer_reductions: str | None = "replicas"
     process_group_backend: str | None = None
     timeout: timedelta | None = None
+    layout_auto: bool = False  # layout="auto": sizes not given chosen at setup from the measured module
+    device_memory: float | None = None  # bytes per device the auto layout plans for (None: the device's own)
+    given: frozenset[str] = frozenset()  # the degrees the user gave (kept by layout="auto")
 
     @property
     def dp_shard_auto(self) -> bool:
@@ -67,6 +70,8 @@ class BuildSettings:
         defer_reductions: str | None,
         process_group_backend: str | None,
         timeout: timedelta | float | None,
+        layout: str | None = None,
+        device_memory: float | str | None = None,
     ) -> BuildSettings:
         """The record of a door's arguments, every one given, named as the doors name them (their docstrings say
         what each does).
@@ -77,6 +82,13 @@ class BuildSettings:
         styles) naming the argument and what to pass instead."""
         check_ac_mode(activation_checkpointing)
         check_plan_styles(tensor_parallel_plan)
+        auto = layout == "auto"
+        if layout not in (None, "auto"):
+            raise ValueError(f"layout={layout!r}: use 'auto' (chosen at setup from the model) or None (the sizes as "
+                             "given, the rest filled by data_parallel_shard).")  # fmt: skip
+        given = {name for name, value, default in (
+            ("pp", pipeline_parallel, 1), ("dp_replicate", data_parallel_replicate, 1), ("tp", tensor_parallel, 1),
+            ("cp", context_parallel, 1), ("dp_shard", data_parallel_shard, None)) if value != default}  # fmt: skip
         if weights_init not in WEIGHTS_INIT:
             raise ValueError(f"weights_init={weights_init!r}: choose 'auto', 'rank0' or 'local'.")
         if weights_init == "local" and cpu_offload:
@@ -107,4 +119,24 @@ class BuildSettings:
             defer_reductions=defer_reductions,
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout) if isinstance(timeout, int | float) else timeout,
+            layout_auto=auto,
+            device_memory=parse_bytes(device_memory),
+            given=frozenset(given - {"dp_shard"} if data_parallel_shard == "auto" else given),
         )
+
+
+def parse_bytes(value: float | str | None) -> float | None:
+    """``8e9``, ``"80GB"``, ``"64GiB"`` as bytes."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else float(value)
+    text = str(value).strip().lower().replace(" ", "")
+    for unit, scale in (("gib", 2**30), ("mib", 2**20), ("gb", 1e9), ("mb", 1e6)):
+        if text.endswith(unit):
+            try:
+                return float(text[: -len(unit)]) * scale
+            except ValueError:
+                break
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"device_memory={value!r}: give bytes, or a size like '80GB' or '64GiB'.") from None
