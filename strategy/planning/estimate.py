@@ -15,21 +15,32 @@ under ``bf16-mixed``, and gathers them in the compute dtype):
   tensors): ``30 bsh + 8 bs kv + 8 bsf`` bytes in bf16 (``b`` sequences, ``s`` tokens, ``h`` dim, ``kv`` the
   key/value width, ``f`` the ffn width). Selective checkpointing keeps matmul and attention outputs only
   (``10 bsh + 4 bs kv + 4 bsf``); full keeps each block's input (``2 bsh``) plus one block's full set while it is
-  recomputed. Sequence parallelism divides all of it by ``tp``, context parallelism by ``cp`` (a rank holds
-  ``s / cp`` tokens of each sequence; its gathered keys and values, ``2 b s kv`` while one block runs, are added).
-  A 1F1B stage holds up to ``pp`` micro-batches.
+  recomputed. A model that repeats its KV heads before attention (``Setup.repeat_kv``, torchtitan's Llama) has
+  attention save q_dim-wide keys and values (``4 bs (q - kv)`` more in the full set). Sequence parallelism divides
+  all of it by ``tp``, context parallelism by ``cp`` (a rank holds ``s / cp`` tokens of each sequence; its gathered
+  keys and values, ``2 b s kv`` while one block runs, ``kv`` the exchanged width, are added). A 1F1B stage holds
+  up to ``pp`` micro-batches.
 * logits: the last stage's ``b s V / (tp cp)`` logits in the compute dtype, their fp32 copy for the loss and its
-  gradient (10 B per logit in bf16).
+  gradient (10 B per logit in bf16); under ``tp`` loss parallel's log-softmax (torch's
+  ``tensor.parallel.loss._log_softmax``, elementwise in fp32) holds the shifted logits and their exponent beside
+  its fp32 input: 14 B.
 
-Step time: the FLOPs (6 x matmul parameters x tokens + 12 x layers x dim x seq per token for attention,
-``ANCHORS.md``, plus what checkpointing recomputes: each block's forward under full, every second block matmul
-under torchtitan's op-level selective) at ``peak x efficiency``, plus the exposed part of each
+Step time: the matmul FLOPs (6 x matmul parameters x tokens, ``ANCHORS.md``, plus what checkpointing recomputes:
+each block's forward under full, every second block matmul under torchtitan's op-level selective) at ``peak x
+efficiency`` (times the compile and float8 speed-ups where on), plus the attention kernels' FLOPs as a causal
+flash kernel executes them (``2 x layers x q_dim x seq`` per token forward, 2.5 times that backward, the forward
+again under full checkpointing; not the MFU convention's ``12 x layers x q_dim x seq``) at ``peak x
+attention_efficiency`` (no compile or float8 gain: neither changes the flash kernel), plus the exposed part of each
 collective, each costed with an alpha-beta model on the link it crosses: NVLink when its group lies within a node
 (``tp`` is innermost), the network otherwise. FSDP's all-gathers and reduce-scatters overlap compute (exposed: what
 exceeds it, plus the first block's); tensor parallel's run in the critical path (asynchronous TP hides
-``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved;
-context parallel all-gathers each block's keys and values in forward (again when full checkpointing recomputes)
-and reduce-scatters their gradients in backward, in the critical path (Cuboid's exchange does not overlap).
+``async_tp`` of them); the pipeline adds its bubble ``(p - 1) / (m + p - 1)``, divided by ``v`` when interleaved.
+Context parallel (:func:`_context_parallel`), in the critical path: Cuboid's block attention all-gathers each
+block's keys and values in forward (again when full checkpointing recomputes) and backward and reduce-scatters
+their gradients (it does not overlap them); torch's ring attention (``Setup.cp_rotate``, as torchtitan runs it)
+moves the same keys and values, passes fp32 key/value gradients around the ring ``cp`` times, and at each of its
+``cp`` steps merges the output and accumulates the gradients in fp32, HBM traffic counted at the HBM's bandwidth.
+Both are balanced (head-tail chunks: every rank does ``1 / cp`` of the causal work).
 
 Mixture of experts (``Shape.experts > 0``): FLOPs follow the active parameters (``top_k`` experts per token);
 persistent bytes count every expert, sharded over ``dp_shard x cp`` as the rest (expert parallel borrows those
@@ -117,9 +128,11 @@ def rank_params(shape: Shape, s: Setup) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int) -> float:
+def _activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, compute: int, tp: int,
+                                repeat_kv: bool = False) -> float:  # fmt: skip
     """What autograd keeps for one block and micro-batch (the module docstring's count), scaled from bf16."""
     bsh, bskv, bsf = b * seq * shape.dim, b * seq * shape.kv_dim, b * seq * shape.ffn_active
+    repeated = 4 * b * seq * (shape.q_dim - shape.kv_dim) if repeat_kv else 0  # attention's saved K, V at q_dim
     scale = compute / 2
     routed = 4 * shape.top_k * bsh if shape.experts and ac != "full" else 0  # each pair's row in and result out
     if ac == "full":
@@ -129,7 +142,7 @@ def _activation_bytes_per_block(shape: Shape, b: int, seq: int, ac: str | None, 
     elif ac == "selective_op":  # torchtitan's: the same but every second matmul recomputed (wq, wv, w1, w2 kept)
         kept = 8 * bsh + 2 * bskv + 2 * bsf
     else:
-        kept = 30 * bsh + 8 * bskv + 8 * bsf
+        kept = 30 * bsh + 8 * bskv + 8 * bsf + repeated
     whole = 0.0
     if shape.experts and ac != "full":  # an MoE feed-forward runs whole on every tp rank: its part is not split
         whole = {"selective": 4, "selective_op": 2}.get(ac, 8) * bsf + routed
@@ -166,15 +179,17 @@ def rank_memory(shape: Shape, s: Setup, stage: int) -> Memory:
     else:
         gathered = 0.0
     micro, local = s.batch / s.m, s.seq / s.cp
-    per_block = _activation_bytes_per_block(shape, micro, local, s.ac, compute, s.tp)
+    per_block = _activation_bytes_per_block(shape, micro, local, s.ac, compute, s.tp, s.repeat_kv)
     acts = per_block * n_blocks * _in_flight(s, stage) / s.virtual_stages
     if s.ac == "full":  # one block's full set while it is recomputed for backward
-        acts += _activation_bytes_per_block(shape, micro, local, None, compute, s.tp)
+        acts += _activation_bytes_per_block(shape, micro, local, None, compute, s.tp, s.repeat_kv)
     if s.cp > 1:  # the whole sequence's keys and values, gathered while one block's attention runs
-        acts += 2 * micro * s.seq * shape.kv_dim / s.tp * compute
+        width = shape.q_dim if s.repeat_kv else shape.kv_dim
+        acts += 2 * micro * s.seq * width / s.tp * compute
     last = s.pp * s.virtual_stages - 1
     holds_output = any(st == last for st in rank_stages(s)[stage])
-    logits = micro * local * shape.vocab / s.tp * (compute + 4 + 4) if holds_output else 0.0
+    loss_parallel = 4 if s.tp > 1 else 0  # its log-softmax holds the shifted logits and their exponent in fp32 too
+    logits = micro * local * shape.vocab / s.tp * (compute + 4 + 4 + loss_parallel) if holds_output else 0.0
     return Memory(params, grads, opt, gathered, acts, logits, host, 1.0)
 
 
@@ -204,6 +219,7 @@ class StepTime:
     optimizer: float
     tokens_per_gpu: float  # tokens of one optimizer step per GPU (global tokens / world)
     ep: float = 0.0  # expert parallel's all-to-alls
+    attention: float = 0.0  # the attention kernels' share of compute (not added again in total)
 
     @property
     def total(self) -> float:
@@ -229,29 +245,45 @@ def _link(hw: Hardware, span: int) -> tuple[float, float]:
 
 
 def _recompute_flops_per_token(shape: Shape, s: Setup) -> float:
-    """FLOPs per token that activation checkpointing repeats: full, each block's forward (its matmuls and
-    attention); torchtitan's op-level selective, every second block matmul; Cuboid's selective, none."""
+    """Matmul FLOPs per token that activation checkpointing repeats: full, each block's forward; torchtitan's
+    op-level selective, every second block matmul; Cuboid's selective, none (attention's share:
+    :func:`_attention_flops_per_token`)."""
     block_forward = 2 * shape.block_tp * shape.layers
     if s.ac == "full":
-        return block_forward + 4 * shape.layers * shape.q_dim * s.seq
+        return block_forward
     if s.ac == "selective_op":
         return block_forward / 2
     return 0.0
 
 
+def _attention_flops_per_token(shape: Shape, s: Setup) -> float:
+    """FLOPs per token the causal attention kernels execute (FlashAttention's own count, not the MFU convention's
+    ``12 x layers x q_dim x seq``): forward ``2 x layers x q_dim x seq`` (QK^T and PV over the causal half, ``seq / 2``
+    keys on average; a masked block is skipped), backward 2.5 times that (it recomputes QK^T: five matmuls to the
+    forward's two), and the forward again where full checkpointing recomputes it (selective keeps the attention
+    output)."""
+    forward = 2 * shape.layers * shape.q_dim * s.seq
+    return forward * (3.5 + (1.0 if s.ac == "full" else 0.0))
+
+
 def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_gain: float = 1.0,
-              fp8_gain: float = 1.0) -> StepTime:  # fmt: skip
+              fp8_gain: float = 1.0, attention_efficiency: float | None = None) -> StepTime:  # fmt: skip
     """Seconds per optimizer step and tokens/s per GPU. ``efficiency``: the fraction of peak the matmuls reach
-    (calibrated, see cuboid.planning.planner); ``compile_gain`` and ``fp8_gain``: speed-ups of compute with
-    ``torch.compile`` and float8 matmuls."""
+    (calibrated, see cuboid.planning.planner); ``compile_gain`` and ``fp8_gain``: speed-ups of the matmul part with
+    ``torch.compile`` and float8 matmuls; ``attention_efficiency``: the fraction of the (bf16) peak the causal
+    attention kernels reach on the FLOPs they execute (None: ``efficiency``). Neither gain applies to attention:
+    float8 converts ``nn.Linear`` only, and compiling leaves the flash kernel as it is."""
     _, compute_b, reduce_b = dtype_bytes(s.precision)
     tokens_dp = s.batch * s.seq  # per data-parallel rank and step
-    per_token = shape.flops_per_token(s.seq) + _recompute_flops_per_token(shape, s)
+    per_token = shape.flops_per_token(0) + _recompute_flops_per_token(shape, s)  # matmuls (6 x parameters, ...)
     whole = 6 * shape.layers * (3 * shape.dim * shape.ffn_active + shape.experts * shape.dim) if shape.experts else 0
     flops = ((per_token - whole) / s.tp + whole) * tokens_dp / (s.pp * s.cp)  # MoE feed-forwards whole on tp ranks
+    attn_flops = _attention_flops_per_token(shape, s) / s.tp * tokens_dp / (s.pp * s.cp)  # heads split over tp
     math_kind = "fp32" if s.precision == "32-true" else "bf16"
     speed = hw.peak[math_kind] * efficiency * (compile_gain if s.compile else 1.0) * (fp8_gain if s.fp8 else 1.0)
-    compute = flops / speed
+    attention_speed = hw.peak[math_kind] * (efficiency if attention_efficiency is None else attention_efficiency)
+    attention = attn_flops / attention_speed
+    compute = flops / speed + attention
     # FSDP: all-gather in forward (and again in backward when resharding), reduce-scatter of gradients.
     ranks = rank_params(shape, s)
     stage = max(sharded / s.tp + replicated for sharded, replicated, _, _ in ranks)
@@ -281,11 +313,7 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
     tp = per * blocks * s.m * (8 + (4 if s.ac == "full" else 0)) if s.tp > 1 else 0.0
     if s.async_tp:
         tp *= 0.5
-    # Context parallel: per block and micro-batch, keys and values (2 b s kv / tp, gathered size) all-gathered in
-    # forward, again in backward (and in the recompute under full checkpointing), their gradients reduce-scattered.
-    bw_c, alpha_c = _link(hw, s.tp * s.cp)
-    kv = _ring(s.cp, 2 * tokens_dp / s.m * shape.kv_dim / s.tp * compute_b, bw_c, alpha_c)
-    cp = kv * blocks * s.m * (4 if s.ac == "full" else 3) if s.cp > 1 else 0.0
+    cp = _context_parallel(shape, s, hw, tokens_dp, blocks, compute_b) if s.cp > 1 else 0.0
     bubble = p2p = 0.0
     if s.pp > 1:
         bubble = (compute + tp) * (s.pp - 1) / s.virtual_stages / s.m
@@ -303,7 +331,49 @@ def step_time(shape: Shape, s: Setup, hw: Hardware, efficiency: float, compile_g
         ep = one * blocks * s.m * (6 if s.ac == "full" else 4)
     optimizer = stage / shards * 16 * 2 / hw.hbm  # read and write params, grads and moments once
     tokens_per_gpu = tokens_dp * s.dp_replicate * s.dp_shard / s.world
-    return StepTime(compute, fsdp, hsdp, tp, cp, bubble, p2p, optimizer, tokens_per_gpu, ep)
+    return StepTime(compute, fsdp, hsdp, tp, cp, bubble, p2p, optimizer, tokens_per_gpu, ep, attention)
+
+
+def _context_parallel(shape: Shape, s: Setup, hw: Hardware, tokens_dp: int, blocks: int, compute_b: int) -> float:
+    """Context parallel's exchange of keys and values and, for torch's ring attention, its per-step merges; in the
+    critical path. ``width``: the exchanged K/V width, ``kv_dim``, or ``q_dim`` where the model repeats its KV heads
+    before attention (``Setup.repeat_kv``, torchtitan's Llama).
+
+    Cuboid's block attention (``cp_rotate=None``): per block and micro-batch, the whole sequence's K and V
+    all-gathered in forward, again in backward (and in the recompute under full checkpointing), their gradients
+    reduce-scattered; it does not overlap them.
+
+    torch's ring (``torch.distributed.tensor.experimental.context_parallel``, as torchtitan ran it; ``cp_rotate``
+    its rotate method): per block pass, the K/V all-gathered once (``"allgather"``) or passed on in ``cp - 1``
+    point-to-point steps (``"alltoall"``), the same bytes; in backward again, and the K/V gradients, accumulated in
+    fp32, passed on to the next rank ``cp`` times (fp32, point-to-point). Its collectives are functional ones,
+    waited at once where the block is compiled (``_maybe_wrap_tensor`` under tracing), so they are counted exposed.
+    Beside the kernels, the ring reads and writes HBM at every step (counted for its last rank, whose steps all
+    merge whole outputs): per forward pass, ``cp - 1`` fp32 merges of the output by its log-sum-exp (38 B per output
+    element: the output cast to fp32, three elementwise passes over fp32 operands); per backward pass, ``cp - 1``
+    more flash calls than one (22 B per output element each: its output and output gradient made contiguous, its
+    fp32 dQ accumulator), ``cp`` fp32 accumulations of dQ (10 B per output element) and of dK, dV (20 B per K/V
+    element, 26 B where half of each is updated and concatenated back) and ``cp`` fp32 concatenations of dK, dV
+    sent on (16 B); in each pass ``cp - 1`` concatenations of K and V sent on (8 B per K/V element)."""
+    passes = 3 if s.ac == "full" else 2  # forward, the recompute under full checkpointing, backward
+    width = shape.q_dim if s.repeat_kv else shape.kv_dim
+    micro_tokens = tokens_dp / s.m  # one micro-batch's tokens of every sequence, all cp ranks together
+    bw, alpha = _link(hw, s.tp * s.cp)
+    kv_gathered = 2 * micro_tokens * width / s.tp * compute_b  # both K and V, the whole sequence
+    gather = _ring(s.cp, kv_gathered, bw, alpha)
+    if s.cp_rotate not in (None, "allgather", "alltoall"):
+        raise ValueError(f"Setup.cp_rotate={s.cp_rotate!r}: None (Cuboid's), 'allgather' or 'alltoall' (torch's ring).")
+    if s.cp_rotate is None:
+        per_block = gather * passes + _ring(s.cp, kv_gathered, bw, alpha)  # + the gradients' reduce-scatter
+        return per_block * blocks * s.m
+    local_out = micro_tokens / s.cp * shape.q_dim / s.tp  # elements of this rank's attention output
+    local_kv = micro_tokens / s.cp * width / s.tp  # elements of this rank's K (or V)
+    grads = s.cp * (alpha + 2 * local_kv * 4 / bw)  # fp32 dK and dV to the next rank, cp times
+    hbm_forward = (s.cp - 1) * (38 * local_out + 8 * local_kv)
+    hbm_backward = (s.cp - 1) * (32 * local_out + 50 * local_kv) + 10 * local_out + 36 * local_kv
+    merges = ((passes - 1) * hbm_forward + hbm_backward) / hw.hbm
+    per_block = gather * passes + grads + merges
+    return per_block * blocks * s.m
 
 
 def fits(mem: Memory, hw: Hardware, headroom: float = 0.9) -> bool:

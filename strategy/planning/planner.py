@@ -14,9 +14,12 @@ data-parallel rank, up to ``max_batch``) that fits in ``headroom`` of the GPU's 
 batch. It recommends the fastest that fits.
 
 Calibrated inputs (one number each, from torchtitan's Llama 3.1 8B on 8 H100, ``ANCHORS.md``): the matmul
-efficiency (its eager FSDP row, 5,762 tokens/s/GPU), and the speed-ups of ``torch.compile`` (6,667 / 5,762) and
-float8 (8,532 / 6,667). Assumed, not calibrated: link bandwidths and latencies (vendor figures, :data:`GPUS`),
-the activation count (from the reference Llama's autograd graph), and the bubble formula.
+efficiency (its eager FSDP row, 5,762 tokens/s/GPU), the speed-ups of ``torch.compile`` (6,667 / 5,762) and
+float8 (8,532 / 6,667) on the matmuls, and the causal flash attention kernels' efficiency (its cp 1 row at 32,768
+tokens, 3,890 tokens/s/GPU, where attention is 62% of the compute and no ring runs). Assumed, not calibrated: link
+bandwidths and latencies (vendor figures, :data:`GPUS`), HBM bandwidth, the activation count (from the reference
+Llama's autograd graph), the context-parallel ring's byte counts (from torch's implementation) and the bubble
+formula.
 """
 
 from __future__ import annotations
@@ -26,44 +29,53 @@ from dataclasses import dataclass, replace
 from cuboid.planning.estimate import GIB, GPUS, Hardware, Memory, Setup, Shape, StepTime, fits, memory, step_time
 
 # torchtitan's published Llama 3.1 runs on H100 (ANCHORS.md; 96 GB HBM2e machines): (model, setup, tokens/s/GPU,
-# peak GiB). The first three calibrate (see calibrate()); the rest are predictions to check the model against.
+# peak GiB). The first three calibrate (see _calibrate()); the rest are predictions to check the model against.
+# torchtitan's Llama repeats its KV heads before attention (repeat_kv, torchtitan/models/llama/model.py at 9dec370).
+_TT = {"repeat_kv": True}
 TORCHTITAN: list[tuple[str, str, Setup, float, float]] = [
-    ("8b", "FSDP 8, eager", Setup(dp_shard=8, batch=2, ac="selective_op"), 5762, 82.4),
-    ("8b", "FSDP 8, compile", Setup(dp_shard=8, batch=2, ac="selective_op", compile=True), 6667, 77.0),
-    ("8b", "FSDP 8, compile + fp8", Setup(dp_shard=8, batch=2, ac="selective_op", compile=True, fp8=True), 8532, 76.8),
-    ("8b", "FSDP 128, eager", Setup(dp_shard=128, batch=2, ac="selective_op"), 5605, 67.0),
-    ("8b", "FSDP 128, compile", Setup(dp_shard=128, batch=2, ac="selective_op", compile=True), 6514, 62.0),
-    ("70b", "FSDP 32 x TP 8, compile + fp8", Setup(dp_shard=32, tp=8, batch=16, ac="full", compile=True, fp8=True),
-     829, 71.9),
+    ("8b", "FSDP 8, eager", Setup(dp_shard=8, batch=2, ac="selective_op", **_TT), 5762, 82.4),
+    ("8b", "FSDP 8, compile", Setup(dp_shard=8, batch=2, ac="selective_op", compile=True, **_TT), 6667, 77.0),
+    ("8b", "FSDP 8, compile + fp8", Setup(dp_shard=8, batch=2, ac="selective_op", compile=True, fp8=True, **_TT), 8532,
+     76.8),
+    ("8b", "FSDP 128, eager", Setup(dp_shard=128, batch=2, ac="selective_op", **_TT), 5605, 67.0),
+    ("8b", "FSDP 128, compile", Setup(dp_shard=128, batch=2, ac="selective_op", compile=True, **_TT), 6514, 62.0),
+    ("70b", "FSDP 32 x TP 8, compile + fp8", Setup(dp_shard=32, tp=8, batch=16, ac="full", compile=True, fp8=True,
+                                                 **_TT), 829, 71.9),
     ("70b", "FSDP 32 x TP 8, + async TP", Setup(dp_shard=32, tp=8, batch=16, ac="full", compile=True, fp8=True,
-                                              async_tp=True), 876, 67.6),
+                                              async_tp=True, **_TT), 876, 67.6),
     ("405b", "FSDP 8 x TP 8 x PP 8, 1F1B", Setup(pp=8, dp_shard=8, tp=8, batch=32, ac="full", compile=True, fp8=True,
-                                                async_tp=True, microbatches=8), 100, 82.5),
+                                                async_tp=True, microbatches=8, **_TT), 100, 82.5),
     ("405b", "FSDP 8 x TP 8 x PP 8, Interleaved 1F1B",
      Setup(pp=8, dp_shard=8, tp=8, batch=32, ac="full", compile=True, fp8=True, async_tp=True, microbatches=8,
-           schedule="Interleaved1F1B", virtual_stages=2), 128, 72.7),
+           schedule="Interleaved1F1B", virtual_stages=2, **_TT), 128, 72.7),
 ]  # fmt: skip
 
 
-# torchtitan's context-parallel rows (docs/performance.md, Table 2): Llama 3.1 8B on 8 H100, local batch 1, full
-# activation checkpointing, compile + float8. Predictions only (nothing is calibrated on them).
+# torchtitan's context-parallel rows (docs/performance.md, Table 2, torch 1963fc8, torchtitan 9dec370): Llama 3.1 8B
+# on 8 H100, local batch 1, full activation checkpointing, compile + float8; torch's ring attention with its default
+# rotate method (allgather) and head-tail load balancing, flash attention. The cp 1 row (no ring) calibrates the
+# attention efficiency; the other three are predictions.
 TORCHTITAN_CP: list[tuple[str, str, Setup, float, float]] = [
     ("8b", f"FSDP {8 // cp}, CP {cp}, seq {seq:,}",
-     Setup(dp_shard=8 // cp, cp=cp, batch=1, seq=seq, ac="full", compile=True, fp8=True), tps, gib)
+     Setup(dp_shard=8 // cp, cp=cp, batch=1, seq=seq, ac="full", compile=True, fp8=True, cp_rotate="allgather", **_TT),
+     tps, gib)
     for cp, seq, tps, gib in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                               (8, 262144, 548, 84.5))
 ]  # fmt: skip
 
 
 def _calibrate(hw: Hardware | None = None) -> dict[str, float]:
-    """The three calibrated inputs, each solved on one of torchtitan's 8B FSDP 8 rows: the matmul efficiency
-    (eager), then the compile and the float8 speed-ups."""
+    """The four calibrated inputs, each solved on one of torchtitan's rows: the matmul efficiency (8B FSDP 8,
+    eager), the compile and the float8 speed-ups (8B FSDP 8 with them), and the attention kernels' efficiency (8B
+    at 32,768 tokens, cp 1: attention is 62% of its compute there and no ring runs). Solved together (each row
+    depends a little on the others' inputs) by fixed-point steps."""
     hw = hw or GPUS["h100-96gb"]
     shape = Shape.of("8b")
-    cal = {"efficiency": 0.4, "compile_gain": 1.0, "fp8_gain": 1.0}
-    for key, (_, _, setup, tps, _) in zip(cal, TORCHTITAN[:3], strict=True):
-        for _ in range(8):  # tokens/s is close to proportional to each factor: a few fixed-point steps
-            got = step_time(shape, setup, hw, cal["efficiency"], cal["compile_gain"], cal["fp8_gain"])
+    cal = {"efficiency": 0.4, "compile_gain": 1.0, "fp8_gain": 1.0, "attention_efficiency": 0.3}
+    rows = [*TORCHTITAN[:3], TORCHTITAN_CP[0]]
+    for _ in range(40):  # tokens/s is close to proportional to each factor: a few fixed-point steps
+        for key, (_, _, setup, tps, _) in zip(cal, rows, strict=True):
+            got = step_time(shape, setup, hw, **cal)
             cal[key] *= tps / got.tokens_per_s_per_gpu
     return cal
 
@@ -173,8 +185,7 @@ def plan(
             s, mem, ok = _best_batch(shape, s, hw, headroom, max_batch)
             host_ok = mem.host * gpus_per_node <= host_memory_per_node
             ok = ok and host_ok
-            t = step_time(shape, s, hw, CALIBRATION["efficiency"], CALIBRATION["compile_gain"],
-                          CALIBRATION["fp8_gain"]) if ok else None  # fmt: skip
+            t = step_time(shape, s, hw, **CALIBRATION) if ok else None
             if offload and t is not None:  # parameters, gradients and moments cross PCIe every step
                 t = replace(t, optimizer=t.optimizer + 3 * mem.host / 25e9)
             options.append(_Option(s, mem, t, ok, host_ok))
@@ -192,7 +203,7 @@ def validation_table(hw: Hardware | None = None) -> str:
         shape = Shape.of(name)
         got = step_time(shape, setup, hw, **CALIBRATION).tokens_per_s_per_gpu
         mem = memory(shape, setup).total / GIB
-        mark = " (calibration)" if i < 3 else ""
+        mark = " (calibration)" if i < 3 or setup is TORCHTITAN_CP[0][2] else ""
         lines.append(f"| {name} | {label}{mark} | {tps:,.0f} | {got:,.0f} | {got / tps:.2f} | {gib} | {mem:.1f} | "
                      f"{mem / gib:.2f} |")  # fmt: skip
     return "\n".join(lines)

@@ -229,6 +229,11 @@ class Setup:
     async_tp: bool = False
     reshard_after_forward: bool | None = None  # None: Cuboid's default (True without pp, False with)
     balance: bool = False  # an MoE's load-balancing loss in the loss, its statistic summed over the ranks ("global")
+    repeat_kv: bool = False  # the model repeats its KV heads to the query heads before attention (torchtitan's Llama):
+    # attention saves, and context parallel exchanges, q_dim-wide keys and values; Cuboid's keep the real KV heads
+    cp_rotate: str | None = None  # context parallel's attention: None, Cuboid's block attention; "allgather" or
+    # "alltoall", torch's ring attention (torch.distributed.tensor.experimental.context_parallel, as torchtitan runs
+    # it) with that rotate method
 
     def __init__(self, layout: Layout | None = None, **settings: Any) -> None:
         degrees = {name: settings.pop(name) for name in _DEGREES if name in settings}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,15 +55,47 @@ def test_a_sequence_that_does_not_fit_gets_a_context_parallel_layout() -> None:
 
 
 def test_torchtitans_context_parallel_rows_beside_the_estimate() -> None:
-    """Predictions, nothing calibrated on them. Memory: within 12% on all four rows. Tokens/s: within 13% at cp1
-    and cp2, 1.55x and 1.66x optimistic at cp4 and cp8, where attention (90% of the FLOPs at 262k tokens) is costed
-    at the matmul efficiency calibrated at 8k, and the exchange as one all-gather at link bandwidth, while torchtitan
-    runs 2 x cp ring steps of flash attention. The bands asserted are today's accuracy, not the aim."""
+    """torchtitan's cp rows as they ran (torch 1963fc8: torch's ring attention, rotate method allgather, head-tail
+    load balancing, flash attention; its Llama repeats the KV heads before attention). The cp 1 row (no ring)
+    calibrates the attention kernels' efficiency and reproduces; cp 2, 4 and 8 are predictions. Tokens/s measured:
+    0.900, 1.185 and 1.225, so cp 8 stays 2.5% outside the ±20% aim: the published runs slow down from cp 2 to cp 4
+    more than the ring's terms that grow with cp (its exposed exchange, its fp32 merges) explain, and no single
+    attention efficiency fits both sides (calibrated on cp 4 or cp 8 instead, cp 2 reads 0.78 or 0.77). Memory:
+    0.886 to 0.927 of the published peaks (torchtitan's reserved memory)."""
     hw = GPUS["h100-96gb"]
-    for (name, _, setup, tps, gib), band in zip(TORCHTITAN_CP, [1.13, 1.13, 1.56, 1.67], strict=True):
+    bands = [(1.0, 1.0), (0.8, 1.2), (0.8, 1.2), (0.8, 1.23)]
+    for (name, _, setup, tps, gib), (low, high) in zip(TORCHTITAN_CP, bands, strict=True):
         got = step_time(Shape.of(name), setup, hw, **CALIBRATION).tokens_per_s_per_gpu
-        assert 1.0 <= got / tps <= band, (setup.cp, got, tps)
-        assert 0.87 <= memory(Shape.of(name), setup).total / GIB / gib <= 0.9, (setup.cp, gib)
+        assert low - 1e-3 <= got / tps <= high + 1e-3, (setup.cp, got, tps)
+        assert 0.8 <= memory(Shape.of(name), setup).total / GIB / gib <= 1.2, (setup.cp, gib)
+
+
+def test_repeated_kv_heads_widen_the_exchange_and_torchs_ring_adds_its_merges() -> None:
+    """Cuboid's exchange moves the model's own KV heads (8 of Llama 3 8B's 32): a model that repeats them before
+    attention (torchtitan's) moves 4 x the bytes and holds 4 x the gathered keys and values, and its attention saves
+    them at q_dim. torch's ring at the same width costs more than Cuboid's exchange (fp32 gradients passed on cp
+    times, fp32 merges at every step); neither changes the attention FLOPs."""
+    shape, hw = Shape.of("8b"), GPUS["h100"]
+    own = Setup(dp_shard=2, cp=4, batch=1, seq=131072, ac="full")
+    repeated = replace(own, repeat_kv=True)
+    ring = replace(repeated, cp_rotate="allgather")
+    times = {s: step_time(shape, s, hw, **CALIBRATION) for s in (own, repeated, ring)}
+    latency = 4 * shape.layers * (4 - 1) * hw.alpha_nvlink  # 4 collectives per block, 3 steps each: not bytes
+    assert times[repeated].cp - latency == pytest.approx(4 * (times[own].cp - latency), rel=1e-9)
+    assert times[ring].cp > times[repeated].cp and times[ring].compute == times[own].compute
+    extra = 2 * 131072 * (shape.q_dim - shape.kv_dim) * 2 + 4 * 131072 / 4 * (shape.q_dim - shape.kv_dim)
+    assert memory(shape, repeated).activations - memory(shape, own).activations == pytest.approx(extra, rel=1e-9)
+    with pytest.raises(ValueError, match="cp_rotate='ring'"):
+        step_time(shape, replace(own, cp_rotate="ring"), hw, **CALIBRATION)
+
+
+def test_loss_parallel_holds_two_more_fp32_copies_of_the_logits() -> None:
+    """Under tp the logits stay vocabulary-sharded and loss parallel's log-softmax (elementwise in fp32) holds the
+    shifted logits and their exponent beside its fp32 input: 14 B per local logit in bf16, 10 B without tp."""
+    shape = Shape.of("70b")
+    for tp, per_logit in ((1, 10), (8, 14)):
+        got = memory(shape, Setup(dp_shard=8 // tp, tp=tp, batch=2, seq=4096, ac="full")).logits
+        assert got == pytest.approx(2 * 4096 * shape.vocab / tp * per_logit, rel=1e-9), tp
 
 
 def test_persistent_bytes_follow_zero_3() -> None:
@@ -88,15 +121,17 @@ def test_the_seeds_70b_on_8_gpus_of_80_gb_fits_only_with_cpu_offload() -> None:
 
 
 def test_calibration_reproduces_its_three_rows_and_predicts_the_others() -> None:
-    """Three inputs are solved on torchtitan's 8B FSDP 8 rows; the six other rows are predictions. Aim: within
-    20%. Measured: all within 20.1% (405B 1F1B 0.799); the band asserted is the current accuracy, not the aim."""
+    """Three inputs are solved on torchtitan's 8B FSDP 8 rows (the fourth, the attention efficiency, on its cp 1 row);
+    the six other rows here are predictions. Aim: within 20%, met: tokens/s 0.843 (405B 1F1B) to 1.015 (8B FSDP 128),
+    memory 0.834 (8B FSDP 128, eager) to 0.952 (405B interleaved) of the published peaks."""
     hw = GPUS["h100-96gb"]
-    for i, (name, _, setup, tps, _) in enumerate(TORCHTITAN):
+    for i, (name, _, setup, tps, gib) in enumerate(TORCHTITAN):
         got = step_time(Shape.of(name), setup, hw, **CALIBRATION).tokens_per_s_per_gpu
         if i < 3:
             assert got == pytest.approx(tps, rel=1e-3)
         else:
-            assert 0.79 <= got / tps <= 1.21, (name, setup, got, tps)
+            assert 0.8 <= got / tps <= 1.2, (name, setup, got, tps)
+        assert 0.8 <= memory(Shape.of(name), setup).total / GIB / gib <= 1.2, (name, setup, gib)
 
 
 def test_the_guide_holds_the_validation_table_the_planner_computes() -> None:
