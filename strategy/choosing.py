@@ -31,26 +31,31 @@ class ChoosingLayout:
 
         answer: Any = None
         if self.global_rank == 0:
+            rng = compat.collect_rng_states()  # a loader's iterator draws its seed: the run must not see that
             try:
                 batch = first_batch(compat.train_data(trainer))
-                given = {k: getattr(self.layout, k) for k in self.settings.given}
+                given: dict[str, Any] = {k: getattr(self.layout, k) for k in self.settings.given}
+                if self.settings.activation_checkpointing:  # asked for: kept, as the sizes given are
+                    given["ac"] = self.settings.activation_checkpointing
+                if self.settings.cpu_offload:
+                    given["cpu_offload"] = True
                 device = device_of(self.root_device, self.num_processes, self.settings.device_memory)
                 planned = plan_module(lm, batch, self.world_size, self.num_nodes, device, given,  # type: ignore[attr-defined]
                                       str(trainer.precision), self.settings.block_container)  # fmt: skip
                 best = planned.best
-                answer = (best.arguments() if best else None, planned.lines, dict(best.parts) if best else None)
+                answer = (best.arguments() if best else None, planned.lines, best.prediction() if best else None)
             except LayoutError as err:
                 answer = ("error", str(err))
             except Exception as err:  # noqa: BLE001  (the data could not give a batch to measure on)
-                answer = (
-                    None,
-                    [f"Cuboid layout auto: kept the memory-led default: no batch to measure on ({err})."],
-                    None,
-                )
+                answer = (None, [f"Cuboid layout auto: kept the memory-led default: no batch to measure on ({err})."],
+                          None)  # fmt: skip
+            finally:
+                compat.set_rng_states(rng)
         answer = self.broadcast(answer)
         if answer[0] == "error":
             raise LayoutError(answer[1])
         args, lines, self.layout_prediction = answer
+        self.layout_choice = args  # the CuboidStrategy arguments that make the layout chosen
         for line in lines:
             rank_zero_info(line)
         if args is None:
@@ -76,6 +81,7 @@ class ChoosingLayout:
         schedule, micro, virtual, split = pipeline_args
         self.pipelining = Pipelining(self.dims, schedule, args.get("microbatches", micro), virtual, split,
                                      settings.reshard_after_forward)  # fmt: skip
+        self._after_mesh()
         return True
 
     def _after_mesh(self) -> None:

@@ -195,7 +195,8 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         self.pipelining = Pipelining(self.dims, *self._pipeline_args, self.settings.reshard_after_forward)
         self._replicated_format = checkpoint_format or "full"  # a replicated model writes one file, as DDP does
         self.fit_estimate: Estimate | None = None  # parameter bytes per rank, estimated before sharding
-        self.layout_prediction: dict[str, float] | None = None  # layout="auto": predicted bytes per rank, by kind
+        self.layout_choice: dict[str, Any] | None = None  # layout="auto": the arguments it chose (and the bytes
+        self.layout_prediction: dict[str, float] | None = None  # per rank it predicted, "peak" and by kind)
         self._pretrained_loaded = False
         self.nonfinite = NonFiniteGuard(nonfinite)
         self.loss_parallel = LossParallel()  # on when the plan keeps logits vocabulary-sharded
@@ -257,8 +258,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         self.checkpointer.guard_callbacks(trainer.callbacks)
         hand_to_ledgers(trainer.callbacks, self.experts_layout, self.replicas)  # what a CommLedger reads of the run
         if self.settings.layout_auto and trainer.state.fn == TrainerFn.FITTING and not is_parallelized_by_user(lm):
-            if self.choose_layout(trainer, lm, self._pipeline_args):  # the mesh rebuilt for the chosen degrees
-                self._after_mesh()
+            self.choose_layout(trainer, lm, self._pipeline_args)  # the degrees and meshes of the choice
         sync_batchnorm(compat.layer_sync(self), self.layout, lm, self.dp_group)  # Trainer(sync_batchnorm=True)
         if is_parallelized_by_user(lm):  # by the user's configure_model, or by Cuboid in an earlier fit/validate
             self.fill_parallelized_by_user(lm, lm, self._pretrained())

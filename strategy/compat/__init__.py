@@ -71,30 +71,6 @@ def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: to
                     state[key] = value.to(device)
 
 
-def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
-    """Call ``set_epoch`` on a DataLoader's sampler (and its batch sampler's), once each: what Lightning does at each
-    epoch start (its ``_set_sampler_epoch``)."""
-    seen: dict[int, Any] = {}
-    for sampler in (
-        getattr(dataloader, "sampler", None),
-        getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
-    ):
-        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
-            seen[id(sampler)] = sampler
-    for sampler in seen.values():
-        sampler.set_epoch(epoch)
-
-
-def update_dataloader(dataloader: Any, sampler: Any) -> Any:
-    """The train ``dataloader`` made again with ``sampler``, as Lightning re-makes a loader to inject its
-    ``DistributedSampler`` (its ``_update_dataloader``: the loader's own class and arguments, a custom batch
-    sampler's class kept)."""
-    from lightning.pytorch.trainer.states import RunningStage
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
-
-
 def set_module_device_mesh(lightning_module: Any, mesh: Any) -> None:
     """``LightningModule.device_mesh`` reads ``_device_mesh``; ModelParallelStrategy sets it the same way."""
     lightning_module._device_mesh = mesh
@@ -367,11 +343,13 @@ from cuboid.compat.callbacks import averaged_copies  # noqa: E402, F401  (weight
 from cuboid.compat.contracts import CudaContractError, CudaContracts  # noqa: E402, F401  (CUDA's preconditions)
 
 # --- litdata's StreamingDataset, Lightning's DataLoader workers and samplers: cuboid/compat/data.py ------------------
-from cuboid.compat.data import (  # noqa: E402, F401  # noqa: E402, F401  # fmt: skip
+from cuboid.compat.data import (  # noqa: E402, F401
     batch_per_sample,
     deal_over_data_parallel,
     seed_workers_by_data_rank,
+    set_sampler_epoch,
     train_data,
+    update_dataloader,
     wrapped_sampler,
 )
 
@@ -399,4 +377,4 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
 )
 from cuboid.compat.fsdp import MIXED_TENSORS, drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
 from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)
-from cuboid.compat.tracing import LiveBytes, StepMemory, fake_mode, track_memory  # noqa: E402, F401
+from cuboid.compat.tracing import LiveBytes, RealData, StepMemory, fake_mode, track_memory  # noqa: E402, F401

@@ -102,3 +102,27 @@ def train_data(trainer: Any) -> Any:
     ``trainer.fit_loop._data_source`` (private; no public accessor before the loop has set its data up). Used by
     ``layout="auto"`` for one batch to measure the step on."""
     return trainer.fit_loop._data_source.dataloader()
+
+
+def set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` on a DataLoader's sampler (and its batch sampler's), once each: what Lightning does at each
+    epoch start (its ``_set_sampler_epoch``)."""
+    seen: dict[int, Any] = {}
+    for sampler in (
+        getattr(dataloader, "sampler", None),
+        getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
+    ):
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            seen[id(sampler)] = sampler
+    for sampler in seen.values():
+        sampler.set_epoch(epoch)
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """The train ``dataloader`` made again with ``sampler``, as Lightning re-makes a loader to inject its
+    ``DistributedSampler`` (its ``_update_dataloader``: the loader's own class and arguments, a custom batch
+    sampler's class kept)."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)

@@ -43,33 +43,70 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of every storage alive that an operator made inside this mode, plus ``start`` (what existed before and
     counts: parameters), with the largest total seen. O(1) per operator: each new storage is added once and taken
     away by a weak reference's callback when it is freed (views and in-place results add nothing). Works on fake
-    tensors as on real ones."""
+    tensors as on real ones. ``follow_resize``: storages resized in place count at their new size, as FSDP2 frees
+    and refills its unsharded parameters (``UntypedStorage.resize_``, wrapped while the mode is on, as torch's
+    MemTracker does)."""
 
-    def __init__(self, start: int = 0, existing: Iterable[torch.Tensor] = (), on_peak: Any = None) -> None:
+    def __init__(self, start: int = 0, existing: Iterable[torch.Tensor] = (), on_peak: Any = None,
+                 follow_resize: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.on_peak = on_peak  # called whenever the peak rises
         self.live = self.peak = start
+        self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self._kept = [t.untyped_storage() for t in existing]  # counted in ``start``: their views add nothing
-        for storage in self._kept:
-            self._refs[id(storage)] = weakref.ref(storage)
+        for t in existing:  # counted in ``start``: their views add nothing, their freeing takes them away
+            storage = t.untyped_storage()
+            key = id(storage)  # (torch keeps a storage's Python object while the storage lives: ids are stable)
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+            self._sizes[key] = storage.nbytes()
+        self._follow_resize = follow_resize
+        self._resize: Any = None
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int) -> None:
         if self._refs.pop(key, None) is not None:
-            self.live -= nbytes
+            self.live -= self._sizes.pop(key, 0)
 
-    def add(self, t: torch.Tensor, nbytes: int | None = None) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._refs:
-            return
-        nbytes = storage.nbytes() if nbytes is None else nbytes
-        self._refs[key] = weakref.ref(storage, lambda _ref, key=key, n=nbytes: self._free(key, n))
-        self.live += nbytes
+    def _grow(self, delta: int) -> None:
+        self.live += delta
         if self.live > self.peak:
             self.peak = self.live
             if self.on_peak is not None:
                 self.on_peak()
+
+    def _register(self, storage: Any, nbytes: int) -> None:
+        key = id(storage)
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+        self._sizes[key] = nbytes
+        self._grow(nbytes)
+
+    def add(self, t: torch.Tensor, nbytes: int | None = None) -> None:
+        storage = t.untyped_storage()
+        if id(storage) not in self._refs:
+            self._register(storage, storage.nbytes() if nbytes is None else nbytes)
+
+    def __enter__(self) -> LiveBytes:
+        if self._follow_resize:
+            original = self._resize = torch.UntypedStorage.resize_
+
+            def resize_(storage: Any, size: int) -> Any:
+                before = storage.nbytes()
+                out = original(storage, size)
+                key = id(storage)
+                if key in self._refs:
+                    self._sizes[key] = storage.nbytes()
+                    self._grow(storage.nbytes() - before)
+                elif storage.nbytes() > before:  # made before the mode, sized now (FSDP2's unsharded parameters)
+                    self._register(storage, storage.nbytes())
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        if self._resize is not None:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+            self._resize = None
+        super().__exit__(*args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -103,6 +140,36 @@ def _mkldnn_rnn_workspace(args: tuple) -> int:
 
     one, two = real(1), real(2)
     return one + (two - one) * (batch - 1)  # linear in the batch past oneDNN's fixed part (tests/test_compat.py)
+
+
+class RealData(TorchDispatchMode):
+    """Entered above a fake mode: an operator whose tensors are all real (the batch's token ids, a mask made from
+    them) runs for real, so a step may read its data (``.item()``, ``nonzero``, a count of image tokens) while
+    every weight and activation stays fake. Indexing a fake tensor with a real boolean mask goes through the mask's
+    real positions (an output size fake tensors cannot know otherwise)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if flat and not any(isinstance(t, FakeTensor) for t in flat):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten.index.Tensor and any(_real_mask(i) for i in args[1]):
+            indices: list[Any] = []
+            for i in args[1]:
+                if _real_mask(i):
+                    with _disable_current_modes():
+                        indices.extend(i.nonzero(as_tuple=True))
+                else:
+                    indices.append(i)
+            return func(args[0], indices)
+        return func(*args, **kwargs)
+
+
+def _real_mask(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.dtype == torch.bool
 
 
 class StepMemory:

@@ -14,8 +14,9 @@ the module built on meta, and costs every layout Cuboid can apply to that module
   gradients) or DDP's gradient buckets (a second copy of the
   gradients), and the step's working bytes: the measured activations and backward temporaries per sample, times the
   samples a rank runs at once, divided by ``tp`` for the blocks' part (Cuboid's plans keep the sequence sharded
-  between blocks) and cut to the blocks' inputs plus one block's set under full checkpointing; under pp, the
-  stage's blocks times the micro-batches 1F1B keeps in flight.
+  between blocks) and cut to the blocks' inputs under full checkpointing, whose backward then peaks at the larger of
+  its temporaries and one recomputed block's set; under pp, the stage's blocks times the micro-batches 1F1B keeps
+  in flight.
 * step time: the measured FLOPs per sample over the device's peak at the planner's calibrated efficiency, full
   checkpointing's extra forward, the collectives each layout adds (an alpha-beta ring model on the device's
   links: DDP's all-reduce, FSDP's gathers and reduce-scatter beyond what compute hides, tensor parallel's four
@@ -70,12 +71,14 @@ class Choice:
     cpu_offload: bool = False
     parts: dict[str, float] = field(default_factory=dict)  # device bytes per rank by kind
     host: float = 0.0  # bytes per rank that cpu_offload keeps in host memory
+    step_peak: float = 0.0  # bytes per rank while the optimizer steps (its temporaries beside every gradient)
     seconds: float = 0.0
     fits: bool = False
 
     @property
     def memory(self) -> float:
-        return sum(self.parts.values())
+        """The rank's peak: forward and backward's, or the optimizer step's where that is higher."""
+        return max(sum(self.parts.values()), self.step_peak)
 
     @property
     def samples_per_s(self) -> float:
@@ -85,6 +88,11 @@ class Choice:
     @property
     def dims(self) -> int:
         return sum(1 for d in (self.pp, self.tp, self.cp) if d > 1)
+
+    def prediction(self) -> dict[str, float]:
+        """Bytes per rank: ``peak`` (what the device must hold), ``optimizer step`` (the step's peak), and the
+        forward and backward's peak by kind."""
+        return {"peak": self.memory, "optimizer step": self.step_peak, **self.parts}
 
     def describe(self) -> str:
         dp = (f"dp_replicate={self.dp_replicate * self.dp_shard} (replicated, DDP's all-reduce)" if self.replicated
@@ -197,21 +205,26 @@ def cost(
     in_flight = min(microbatches, pp) if pp > 1 else 1
     block_act = sum(u.activation_bytes for u in profile.units)
     other_act = max(0.0, profile.activation_bytes - block_act)
+    recomputed = 0.0  # full checkpointing: one block's set, made again while its backward runs
     if ac == "full" and profile.units:
-        kept = sum(u.input_bytes for u in profile.units) + max(u.activation_bytes for u in profile.units)
-        block_act = kept
+        block_act = sum(u.input_bytes for u in profile.units)  # what stays of each block: its input
+        recomputed = max(u.activation_bytes for u in profile.units)
     stage_share = stage_blocks / n_blocks if profile.units else 1.0
     per_sample = block_act * stage_share / tp / cp + other_act / (tp if tp > 1 else 1) / cp
     parts["activations"] = per_sample * micro * in_flight
-    parts["temporaries"] = profile.temp_bytes * micro / (tp * cp)
+    # backward's peak: its temporaries (the loss's gradient first) or, under full checkpointing, a recomputed block
+    parts["temporaries"] = max(profile.temp_bytes, recomputed) * micro / (tp * cp)
     seconds = _seconds(profile, device, pp, dp_replicate * dp_shard, tp, cp, ac, replicated, microbatches, local,
                        stage, unit, stored)  # fmt: skip
+    persistent = parts["parameters"] + parts["gradients"] + parts["optimizer"] + parts.get("buckets", 0.0)
+    step_peak = persistent + profile.step_temp_bytes * local / max(stage, 1) * stored / compute
     host = 0.0
     if cpu_offload:  # the shards, their gradients and the optimizer's state live on the host; units come and go
         host = sum(parts.pop(k) for k in ("parameters", "gradients", "optimizer"))
+        step_peak = 0.0  # the update runs on the host
         seconds += 3 * host / 25e9  # across PCIe each step (as the formula planner)
     choice = Choice(pp, dp_replicate, dp_shard, tp, cp, ac, microbatches, replicated, profile.samples, cpu_offload,
-                    parts, host, seconds)  # fmt: skip
+                    parts, host, step_peak, seconds)  # fmt: skip
     return replace(choice, fits=choice.memory <= headroom * device.memory)
 
 
@@ -257,7 +270,8 @@ def choose(
     host_memory: float = 2e12,
 ) -> list[Choice]:
     """Every layout of ``world`` ranks for the module, fitting ones fastest first, then the rest smallest first.
-    ``given``: sizes the user passed (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, ``cp``), kept as they are.
+    ``given``: what the user passed, kept as it is: sizes (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
+    ``cp``), ``ac`` (activation checkpointing) and ``cpu_offload``.
     When nothing fits, the sharded layouts are tried again with ``cpu_offload`` (within ``host_memory`` bytes per
     node)."""
     given = dict(given or {})
@@ -283,10 +297,11 @@ def choose(
                         continue
                     if not replicated and rep > 1 and nodes % rep:
                         continue
-                    for ac in [None, "full"] if profile.units else [None]:
+                    for ac in [given["ac"]] if "ac" in given else [None, "full"] if profile.units else [None]:
                         for m in _microbatches(profile.samples, pp):
-                            out.append(cost(profile, module, blocks, device, pp, rep, shard, tp, cp, ac,
-                                            replicated, m, stored, headroom))  # fmt: skip
+                            offload = bool(given.get("cpu_offload")) and not replicated
+                            out.append(cost(profile, module, blocks, device, pp, rep, shard, tp, cp, ac, replicated,
+                                            m, stored, headroom, cpu_offload=offload))  # fmt: skip
     if not any(c.fits for c in out) and "cpu_offload" not in given:  # only then: offload costs every step
         out += [cost(profile, module, blocks, device, c.pp, c.dp_replicate, c.dp_shard, c.tp, c.cp, c.ac, False,
                      c.microbatches, stored, headroom, cpu_offload=True) for c in out if not c.replicated]  # fmt: skip

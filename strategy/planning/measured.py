@@ -59,6 +59,7 @@ class Profile:
     activation_bytes: float  # per sample, what autograd keeps at forward's end (the whole model's)
     temp_bytes: float  # per sample, what the step's peak holds beyond that (backward's temporaries, the loss's)
     flops: float  # per sample, forward and backward
+    step_temp_bytes: int  # the optimizer step's temporaries beyond its state (for-loop: one parameter's; foreach: all)
     peak_bytes: int  # the single-process step's peak, everything together
     seconds: float  # what measuring took
 
@@ -202,8 +203,7 @@ def profile(
         _fake_storage(copied, mode, dtype)
         modules = dict(copied.named_modules())
         found = find_blocks(copied) if blocks is None else [(n, modules[n]) for n, _ in blocks]
-        with mode:
-            fake_batch = _map_tensors(batch, mode.from_tensor)
+        fake_batch = batch  # real: the step may read its data (compat.RealData); what meets a weight turns fake
         optimizers = _optimizers(copied.configure_optimizers())
         params = list(dict.fromkeys(copied.parameters()))
         trainable = [p for p in params if p.requires_grad]
@@ -221,7 +221,7 @@ def profile(
         handles = [p.register_post_accumulate_grad_hook(grad_made) for p in trainable]
         handles += [h for name, m in found for h in _watch(m, live, per_unit, name)]
         try:
-            with mode, live, FlopCounterMode(display=False) as flops, warnings.catch_warnings():
+            with mode, compat.RealData(), live, FlopCounterMode(display=False) as flops, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 loss = _loss(copied.training_step(fake_batch, 0))
                 if loss is None:
@@ -230,6 +230,11 @@ def profile(
                 live.peak = forward_end
                 loss.backward()
                 backward_peak, grads_at_peak = live.peak, at_peak["grads"]
+                before_step = live.peak = live.live  # parameters and every gradient
+                for opt in optimizers:  # its state made, and the temporaries of its update (foreach: all at once)
+                    opt.step()
+                states = live.live - before_step
+                step_temps = max(0, live.peak - live.live)
         finally:
             for h in handles:
                 h.remove()
@@ -251,7 +256,8 @@ def profile(
         seq=seq,
         params=sum(p.numel() for p in params),
         trainable=n_trainable,
-        optimizer_per_trainable=max((states_per_element(o) for o in optimizers), default=0.0),
+        optimizer_per_trainable=states / max(sum(p.numel() * p.element_size() for p in trainable), 1),
+        step_temp_bytes=step_temps,
         compute_bytes=compute,
         units=units,
         activation_bytes=activations / samples,
@@ -260,21 +266,6 @@ def profile(
         peak_bytes=backward_peak,
         seconds=time.perf_counter() - start,
     )
-
-
-def states_per_element(optimizer: torch.optim.Optimizer) -> float:
-    """Optimizer-state elements per trained element: the optimizer's own class, with its own defaults, stepped
-    once on a small real tensor (AdamW 2, SGD with momentum 1, plain SGD 0; a user's optimizer measured the same
-    way). One that cannot be made so counts as Adam-like (2)."""
-    probe = nn.Parameter(torch.zeros(32, 32))
-    try:
-        twin = type(optimizer)([probe], **optimizer.defaults)
-        probe.grad = torch.ones_like(probe)
-        twin.step()
-    except Exception:  # noqa: BLE001  (a constructor that needs more than its defaults)
-        return 2.0
-    count = sum(t.numel() for s in twin.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
-    return count / probe.numel()
 
 
 def _watch(module: nn.Module, live: Any, out: dict[str, list[float]], name: str) -> list[Any]:

@@ -18,33 +18,62 @@ from cuboid.parallel import LayoutError, find_blocks
 from cuboid.planning import plan_module, profile
 from cuboid.planning.auto import Device, choose
 
-MODELS = ("dense", "lstm", "llama", "vlm")
+# specs (tests/workers/auto_worker.py) per world size: the four kinds of model the issue names at 2, 4 and 8 ranks;
+# sizes given (tp2, pp2), checkpointing given, a memory budget, and a step that cannot be measured where they fit
+WORLDS = {
+    2: ("dense", "lstm", "llama", "vlm", "reads", "llama_tp2", "llama_pp2", "llama_tight", "llama_ac"),
+    4: ("dense", "lstm", "llama", "vlm", "llama_tp2", "llama_pp2", "llama_ac"),
+    8: ("dense", "lstm", "llama", "vlm"),
+}
+MEASURED = [(world, name) for world, names in WORLDS.items() for name in names if name != "reads"]
+TWINS = [(world, name) for world, name in MEASURED if name.startswith("llama_")]
 
 
 @pytest.fixture(scope="module")
 @ahead
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("auto") / "dp2.json"
-    torchrun(2, WORKERS / "auto_worker.py", str(out), *MODELS)
-    return json.loads(out.read_text())
+    out = tmp_path_factory.mktemp("auto")
+    for world, names in WORLDS.items():
+        torchrun(world, WORKERS / "auto_worker.py", str(out / f"{world}.json"), *names)
+    return {world: json.loads((out / f"{world}.json").read_text()) for world in WORLDS}
 
 
-@pytest.mark.parametrize("name", ["dense", "lstm", "llama"])
-def test_the_predicted_peak_per_rank_is_within_15_percent_of_the_run(runs: dict, name: str) -> None:
-    """The planner's memory per rank for the layout it chose, against the most any rank held in the second step
-    (parameters, gradients, optimizer state, FSDP's gathered copies, activations, temporaries). Measured here at
-    2 ranks: dense 1.00, LSTM 1.11, the debug Llama 1.06 (docs/planning.md has the 4- and 8-rank rows)."""
-    got = runs[name]
-    assert got["parts"], got
+@pytest.mark.parametrize(("world", "name"), MEASURED)
+def test_the_predicted_peak_per_rank_is_within_15_percent_of_the_run(runs: dict, world: int, name: str) -> None:
+    """The planner's peak per rank for the layout it chose (measured on fake tensors in one process), against the
+    most any rank held in the run's second step: torch's MemTracker (parameters, gradients, optimizer state,
+    FSDP's gathered copies, activations, temporaries), or under pp, where MemTracker refuses a stage's repeated
+    forward, ``compat.LiveBytes`` following FSDP2's resized storages (the two agree to the byte on the dense net,
+    the LSTM and the Llama). docs/planning.md has the table."""
+    got = runs[world][name]
+    assert got["parts"] and got["measured"] > 0, got
     ratio = got["predicted"] / got["measured"]
-    assert 0.85 <= ratio <= 1.15, (name, got)
+    assert 0.85 <= ratio <= 1.15, (world, name, ratio, got)
+
+
+@pytest.mark.parametrize(("world", "name"), TWINS)
+def test_the_run_auto_made_is_the_run_of_its_layout_by_name(runs: dict, world: int, name: str) -> None:
+    """Measuring at setup leaves nothing behind: the losses of the run ``layout="auto"`` made (its mesh built
+    again for the choice) equal, bit for bit, a run that asks for the chosen layout by name."""
+    got = runs[world][name]
+    assert got["losses"] == got["explicit_losses"] and any(got["losses"]), got
+
+
+def test_what_the_user_gives_is_kept_and_a_budget_is_honoured(runs: dict) -> None:
+    two = runs[2]
+    assert two["llama_tp2"]["chosen"]["tensor_parallel"] == 2
+    assert two["llama_pp2"]["chosen"]["pipeline_parallel"] == 2
+    assert two["llama_ac"]["chosen"]["activation_checkpointing"] == "full"
+    tight = two["llama_tight"]
+    assert tight["predicted"] <= 0.9 * 16e6 and tight["chosen"] != two["llama"]["chosen"], tight
+    assert two["llama"]["chosen"]["data_parallel_shard"] == 2  # with room, data parallel alone
 
 
 def test_a_step_that_reads_a_value_falls_back_to_the_memory_led_default(runs: dict) -> None:
-    """transformers' LLaVA counts its image tokens with a value read (``.item()``), which fake tensors cannot
-    give: the run keeps the memory-led default (and trains), with no prediction."""
-    got = runs["vlm"]
-    assert got["parts"] is None and got["measured"] > 0, got
+    """``loss.item()`` in the step: a fake tensor has no value to give. The run keeps the memory-led default and
+    trains; nothing was predicted."""
+    got = runs[2]["reads"]
+    assert got["parts"] is None and got["measured"] > 0 and not got["chosen"], got
 
 
 def _llama(name: str):
@@ -74,8 +103,9 @@ def test_70b_on_8_gpus_of_80_gb_is_planned_from_the_model_built_on_meta() -> Non
 
 
 def test_1b_measures_in_a_few_seconds_on_meta() -> None:
-    """What ``layout="auto"`` adds at setup for a 1B model: the fake step and the costing. Measured here: 1.8 s for
-    the step (16 blocks, 2 x 2048 tokens) on the 2-core machine; bounded loosely (the machine is shared)."""
+    """What ``layout="auto"`` adds at setup for a 1B model: the fake step (forward, backward, the optimizer's
+    update) and the costing. Measured here: 3.4 s on the 2-core machine (16 blocks, 4 x 256 tokens); bounded
+    loosely, the machine being shared."""
     lm = _llama("1b")
     start = time.perf_counter()
     measured = profile(lm, torch.zeros(2, 2049, dtype=torch.long))
@@ -130,3 +160,20 @@ def test_command_line_measures_a_module_by_its_class(tmp_path: Path) -> None:
     helped = subprocess.run([sys.executable, "-m", "cuboid.layout", "--help"], capture_output=True, text=True,
                             cwd=ROOT, timeout=120, check=True).stdout  # fmt: skip
     assert "--module pkg.mod:Class" in helped
+
+
+def test_the_named_family_formulas_check_the_measurement() -> None:
+    """DESIGN.md: the planner's formulas for named families stay as a check on the measurement. Llama 3.2 1B at
+    2048 tokens in bf16, measured on fake tensors against :mod:`cuboid.planning.estimate`'s counts: parameters
+    equal; one block's activations (the formula counts autograd's tensors of the reference Llama) within 2%
+    (measured 0.989; 8B 0.988 by hand); FLOPs per token 0.90 of ``6 x parameters + 12 x layers x dim x seq``
+    (FlopCounterMode counts the attention a causal kernel runs and no embedding lookup)."""
+    from cuboid.planning.estimate import Shape, _activation_bytes_per_block
+
+    lm = _llama("1b")
+    measured = profile(lm, torch.zeros(1, 2049, dtype=torch.long), dtype=torch.bfloat16)
+    shape = Shape.of("1b")
+    assert measured.params == shape.params
+    formula = _activation_bytes_per_block(shape, 1, 2048, None, 2, 1)
+    assert measured.units[0].activation_bytes == pytest.approx(formula, rel=0.02)
+    assert 0.85 <= measured.flops / 2048 / shape.flops_per_token(2048) <= 1.0

@@ -87,44 +87,106 @@ def vlm() -> L.LightningModule:
     return VLM("hf_llava")
 
 
-MODELS = {"llama": lambda: Llama("debug"), "dense": Dense, "lstm": LSTM, "vlm": vlm}
+class Reads(Dense):
+    """A step that reads a value of what it computed (``loss.item()``): fake tensors have none to give."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e6:
+            raise RuntimeError("diverged")
+        return loss
+
+
+MODELS = {"llama": lambda: Llama("debug"), "dense": Dense, "lstm": LSTM, "vlm": vlm, "reads": Reads}
+# spec -> (model, the strategy's arguments beside layout="auto", whether an explicit run of the choice follows)
+SPECS = {
+    "dense": ("dense", {}, False), "lstm": ("lstm", {}, False), "llama": ("llama", {}, False), "vlm": ("vlm", {}, False),
+    "reads": ("reads", {}, False),
+    "llama_tp2": ("llama", {"tensor_parallel": 2}, True),
+    "llama_pp2": ("llama", {"pipeline_parallel": 2}, True),
+    "llama_tight": ("llama", {"device_memory": 16e6}, True),  # below what dp_shard needs without AC
+    "llama_ac": ("llama", {"activation_checkpointing": "full"}, True),
+}  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Peak(L.Callback):
-    """The second training step's peak bytes on this rank (torch's MemTracker around the whole step)."""
+    """The second training step's peak bytes on this rank, two ways: torch's MemTracker around the whole step (not
+    under pp, where a stage's forward runs once per micro-batch, which MemTracker refuses), and ``compat.LiveBytes``
+    following FSDP2's resized storages, started from this rank's parameter shards, gradients and optimizer state;
+    and each step's loss where this rank has it."""
 
     def __init__(self) -> None:
-        self.peak = 0
-        self._cm = None
+        self.peak = self.live_peak = 0
+        self._cm: object = None
+        self._live: object = None
+        self.losses: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-        if batch_idx == 1:
-            self._cm = compat.track_memory(pl_module, trainer.optimizers[0])
+        if trainer.global_step != 1:  # the second step (an epoch may hold one batch per rank)
+            return
+        optimizer = trainer.optimizers[0]
+        held = [_local(p) for p in pl_module.parameters()] + [_local(p.grad) for p in pl_module.parameters()
+                                                               if p.grad is not None]  # fmt: skip
+        held += [_local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+        held = list({id(t.untyped_storage()): t for t in held}.values())
+        start = sum(t.untyped_storage().nbytes() for t in held)
+        self._live = compat.LiveBytes(start, held, follow_resize=True)
+        self._live.__enter__()
+        if trainer.strategy.layout.pp == 1:
+            self._cm = compat.track_memory(pl_module, optimizer)
             self._mem = self._cm.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss.detach()))
         if self._cm is not None:
             self.peak = self._mem.peak()["Total"]
             self._cm.__exit__(None, None, None)
             self._cm = None
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self.live_peak = self._live.peak
+            self._live = None
+
+
+def fit(model: str, strategy: CuboidStrategy, steps: int = 2) -> Peak:
+    torch.manual_seed(0)
+    peak = Peak()
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[peak])  # fmt: skip
+    trainer.fit(MODELS[model]())
+    return peak
+
+
+def gathered(value: object) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     results = {}
     for name in names:
-        torch.manual_seed(0)
-        peak = Peak()
-        strategy = CuboidStrategy(layout="auto")
-        trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, max_steps=2, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[peak])  # fmt: skip
-        trainer.fit(MODELS[name]())
-        peaks = [0] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak.peak)
-        predicted = sum((strategy.layout_prediction or {}).values())
-        results[name] = {"layout": strategy.layout.describe(), "predicted": predicted, "measured": max(peaks),
-                         "per_rank": peaks, "parts": strategy.layout_prediction}  # fmt: skip
+        model, given, twin = SPECS[name]
+        strategy = CuboidStrategy(layout="auto", **given)
+        peak = fit(model, strategy, steps=3 if twin else 2)
+        chosen = {**(strategy.layout_choice or {})}
+        results[name] = {"layout": strategy.layout.describe(), "predicted": (strategy.layout_prediction or {}).get("peak", 0),
+                         "measured": max(gathered(peak.peak or peak.live_peak)), "per_rank": gathered(peak.peak),
+                         "live": max(gathered(peak.live_peak)), "tracker": "MemTracker" if peak.peak else "LiveBytes",
+                         "parts": strategy.layout_prediction, "chosen": chosen, "losses": gathered(peak.losses)}  # fmt: skip
+        if twin and chosen:  # the same layout asked for by name: the run auto made must be that run
+            explicit = fit(model, CuboidStrategy(**chosen), steps=3)
+            results[name]["explicit_losses"] = gathered(explicit.losses)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
 
