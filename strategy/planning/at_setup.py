@@ -73,7 +73,7 @@ def plan_module(
         blocks = find_blocks(lm, block_container)
     except Exception as err:  # noqa: BLE001
         return _fallback(f"its blocks could not be found ({err})")
-    measured = profile(lm, batch, blocks, dtype)
+    measured = profile(lm, batch, blocks, dtype, foreach=device.name != "CPU")
     if isinstance(measured, Unmeasured):
         return _fallback(measured.reason)
     options = choose(measured, lm, blocks, world, device, given, stored, nodes=nodes)

@@ -186,11 +186,14 @@ def profile(
     batch: Any,
     blocks: list[tuple[str, nn.Module]] | None = None,
     dtype: torch.dtype | None = None,
+    foreach: bool | None = None,
 ) -> Profile | Unmeasured:
     """One training step of ``lm`` (a LightningModule) on a fake copy of ``batch``, measured.
 
     ``blocks``: the repeated units (``cuboid.parallel.find_blocks``'s answer, looked up when None). ``dtype``: the
-    floating dtype to run in (the compute dtype of the run: bf16 under ``bf16-mixed``); None keeps the module's."""
+    floating dtype to run in (the compute dtype of the run: bf16 under ``bf16-mixed``); None keeps the module's.
+    ``foreach``: how the optimizer's update runs where it left it to torch (``foreach=None``): torch's default on
+    the device the run will have (True on GPUs: every parameter's temporaries at once), not on the fake step's CPU."""
     from cuboid.parallel import find_blocks
 
     start = time.perf_counter()
@@ -205,6 +208,9 @@ def profile(
         found = find_blocks(copied) if blocks is None else [(n, modules[n]) for n, _ in blocks]
         fake_batch = batch  # real: the step may read its data (compat.RealData); what meets a weight turns fake
         optimizers = _optimizers(copied.configure_optimizers())
+        for group in (g for opt in optimizers for g in opt.param_groups):
+            if foreach is not None and group.get("foreach", False) is None and not group.get("fused"):
+                group["foreach"] = foreach
         params = list(dict.fromkeys(copied.parameters()))
         trainable = [p for p in params if p.requires_grad]
         compute = params[0].element_size() if params else 4
@@ -241,7 +247,9 @@ def profile(
     except Exception as err:  # noqa: BLE001  (any failure of the user's step on fake tensors means: not measurable)
         text = str(err).strip()
         first = text.splitlines()[0] if text else type(err).__name__
-        return Unmeasured(f"its training step does not run on fake tensors ({type(err).__name__}: {first[:160]})")
+        where = _user_frame(err)
+        return Unmeasured(f"its training step does not run on fake tensors ({type(err).__name__}: {first[:160]})"
+                          + (f" at {where}" if where else ""))  # fmt: skip
     n_trainable = sum(p.numel() for p in trainable)
     units = tuple(
         Unit(name, sum(p.numel() for p in m.parameters()) * compute,
@@ -266,6 +274,17 @@ def profile(
         peak_bytes=backward_peak,
         seconds=time.perf_counter() - start,
     )
+
+
+def _user_frame(err: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the failure outside torch and Cuboid: the user's line that read a
+    value (``loss.item()``) or called what fake tensors cannot run."""
+    import os
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(skip)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 def _watch(module: nn.Module, live: Any, out: dict[str, list[float]], name: str) -> list[Any]:

@@ -177,3 +177,15 @@ def test_the_named_family_formulas_check_the_measurement() -> None:
     formula = _activation_bytes_per_block(shape, 1, 2048, None, 2, 1)
     assert measured.units[0].activation_bytes == pytest.approx(formula, rel=0.02)
     assert 0.85 <= measured.flops / 2048 / shape.flops_per_token(2048) <= 1.0
+
+
+def test_the_fallback_line_names_what_the_step_read_and_where() -> None:
+    import lightning as L
+
+    sys.path.insert(0, str(WORKERS))
+    from auto_worker import Reads
+
+    module = Reads()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    got = profile(module, next(iter(module.train_dataloader())))
+    assert "_local_scalar_dense" in got.reason and "auto_worker.py:" in got.reason, got
