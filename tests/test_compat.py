@@ -1121,3 +1121,29 @@ def test_fake_steps_count_what_real_steps_hold_and_the_rnn_workspace_is_restored
     # from 2 to 5 samples the fake step grows by the real workspace's growth and its outputs' (with the meta's
     # empty workspace: by the outputs' alone, 22,272 bytes here against the workspace's 61,440)
     assert real_ws[1] - real_ws[0] <= sizes[1] - sizes[0] <= 2 * (real_ws[1] - real_ws[0]), (sizes, real_ws)
+
+
+def test_real_data_beside_fake_weights_and_the_grouped_gemm_shape() -> None:
+    """``compat.RealData`` over a fake mode: an operator on real tensors only runs for real (a count read with
+    ``.item()``), a real boolean mask indexes a fake tensor, and an fp32 grouped GEMM, which torch's meta kernel
+    refuses (CUDA's bf16-only check), is shaped as the CPU kernel's result."""
+    import torch.nn.functional as F
+
+    mode = compat.fake_mode()
+    ids = torch.tensor([[1, 5, 5, 2]])
+    with mode:
+        weight = torch.empty(8, 3)
+    with mode, compat.RealData():
+        count = int((ids == 5).sum().item())  # no DataDependentOutputException: the ids are real
+        picked = weight[ids[0] > 1]  # rows where the mask is true: 3 of them
+    assert count == 2 and picked.shape == (3, 3)
+    a, b = torch.randn(10, 16), torch.randn(3, 16, 32)
+    offs = torch.tensor([3, 7, 10], dtype=torch.int32)
+    real = F.grouped_mm(a, b, offs=offs)
+    with mode:
+        fa, fb, foffs = mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(offs)
+        with pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+            F.grouped_mm(fa, fb, offs=foffs)  # the meta kernel's rule (remove the shaping when this passes)
+    with mode, compat.RealData():
+        shaped = F.grouped_mm(fa, fb, offs=foffs)
+    assert shaped.shape == real.shape and shaped.dtype == real.dtype

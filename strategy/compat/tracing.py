@@ -146,7 +146,8 @@ class RealData(TorchDispatchMode):
     """Entered above a fake mode: an operator whose tensors are all real (the batch's token ids, a mask made from
     them) runs for real, so a step may read its data (``.item()``, ``nonzero``, a count of image tokens) while
     every weight and activation stays fake. Indexing a fake tensor with a real boolean mask goes through the mask's
-    real positions (an output size fake tensors cannot know otherwise)."""
+    real positions (an output size fake tensors cannot know otherwise), and a grouped GEMM in fp32 (which the CPU
+    kernel runs and the meta kernel refuses) is shaped here."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.utils._python_dispatch import _disable_current_modes
@@ -156,6 +157,8 @@ class RealData(TorchDispatchMode):
         if flat and not any(isinstance(t, FakeTensor) for t in flat):
             with _disable_current_modes():
                 return func(*args, **kwargs)
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            return _grouped_mm_output(*args, **kwargs)  # the CPU kernel's any float, which the meta refuses
         if func is torch.ops.aten.index.Tensor and any(_real_mask(i) for i in args[1]):
             indices: list[Any] = []
             for i in args[1]:
@@ -166,6 +169,18 @@ class RealData(TorchDispatchMode):
                     indices.append(i)
             return func(args[0], indices)
         return func(*args, **kwargs)
+
+
+def _grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,
+                       out_dtype: Any = None) -> torch.Tensor:  # fmt: skip
+    """``F.grouped_mm``'s result, shaped as torch's meta kernel shapes it (``torch/_meta_registrations.py``,
+    ``_create_grouped_mm_output_tensor``), for the float types the CPU kernel takes and the meta kernel refuses
+    (it checks CUDA's bf16-only rule: "Expected inputs of BF16 type")."""
+    if a.dim() == 2:
+        size = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+    else:
+        size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
+    return torch.empty(size, dtype=out_dtype or a.dtype, device=a.device)
 
 
 def _real_mask(t: Any) -> bool:

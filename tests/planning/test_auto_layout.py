@@ -21,8 +21,8 @@ from cuboid.planning.auto import Device, choose
 # specs (tests/workers/auto_worker.py) per world size: the four kinds of model the issue names at 2, 4 and 8 ranks;
 # sizes given (tp2, pp2), checkpointing given, a memory budget, and a step that cannot be measured where they fit
 WORLDS = {
-    2: ("dense", "lstm", "llama", "vlm", "reads", "llama_tp2", "llama_pp2", "llama_tight", "llama_ac"),
-    4: ("dense", "lstm", "llama", "vlm", "llama_tp2", "llama_pp2", "llama_ac"),
+    2: ("dense", "lstm", "llama", "vlm", "moe", "reads", "llama_tp2", "llama_pp2", "llama_tight", "llama_ac"),
+    4: ("dense", "lstm", "llama", "vlm", "moe", "llama_tp2", "llama_pp2", "llama_ac"),
     8: ("dense", "lstm", "llama", "vlm"),
 }
 MEASURED = [(world, name) for world, names in WORLDS.items() for name in names if name != "reads"]

@@ -97,11 +97,18 @@ class Reads(Dense):
         return loss
 
 
-MODELS = {"llama": lambda: Llama("debug"), "dense": Dense, "lstm": LSTM, "vlm": vlm, "reads": Reads}
+MODELS = {
+    "llama": lambda: Llama("debug"),
+    "moe": lambda: Llama("moe_debug"),
+    "dense": Dense,
+    "lstm": LSTM,
+    "vlm": vlm,
+    "reads": Reads,
+}
 # spec -> (model, the strategy's arguments beside layout="auto", whether an explicit run of the choice follows)
 SPECS = {
     "dense": ("dense", {}, False), "lstm": ("lstm", {}, False), "llama": ("llama", {}, False), "vlm": ("vlm", {}, False),
-    "reads": ("reads", {}, False),
+    "reads": ("reads", {}, False), "moe": ("moe", {}, False),
     "llama_tp2": ("llama", {"tensor_parallel": 2}, True),
     "llama_pp2": ("llama", {"pipeline_parallel": 2}, True),
     "llama_tight": ("llama", {"device_memory": 16e6}, True),  # below what dp_shard needs without AC
