@@ -300,6 +300,13 @@ class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
     """The Trainer's ``ParallelStrategy`` on one device mesh: ``reduce`` (``self.log(sync_dist=True)``) averages
     over ``dp``; the precision plugin is always a :class:`~cuboid.step.precision.CuboidPrecision`."""
 
+    def _device_capacity(self) -> float | None:
+        """Bytes setup's fit checks hold a rank to: the GPU's memory; None on CPU and under CPU offload (a test
+        stands in a device of its size here: tests/workers/parity_worker.py's ``DeviceOfSize``)."""
+        from cuboid.measure import device_bytes
+
+        return device_bytes(self.root_device, self.settings.cpu_offload)
+
     @property
     @override
     def precision_plugin(self) -> CuboidPrecision:

@@ -27,7 +27,7 @@ from cuboid.base import MeshStrategy
 from cuboid.checkpoint import Checkpointer, CheckpointHooks, DataPosition
 from cuboid.choosing import ChoosingLayout
 from cuboid.job import CuboidLauncher, JobGuard, prepare_launch
-from cuboid.measure import Estimate, check_fits, device_bytes, hand_to_ledgers, refuse_if_too_big
+from cuboid.measure import Estimate, check_fits, hand_to_ledgers, refuse_if_too_big
 from cuboid.measure import estimate as estimate_fit
 from cuboid.parallel import (
     ACMode,
@@ -279,7 +279,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
-            capacity = device_bytes(self.root_device, self.settings.cpu_offload)
+            capacity = self._device_capacity()
             if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
                 check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")
         self.setup_precision_plugin()
@@ -304,7 +304,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         lm = self.precision_plugin.convert_module(lm)
         blocks = find_blocks(lm, self.settings.block_container)
         self.fit_estimate = estimate_fit(lm, self.layout, matched, blocks, self.pipelining)
-        capacity = device_bytes(self.root_device, self.settings.cpu_offload)
+        capacity = self._device_capacity()
         if capacity is not None:  # parameters and gradients alone cannot fit: refused before any allocation
             refuse_if_too_big(self.fit_estimate, self.layout, capacity, self.settings.dp_shard_auto)
         mp_policy, pretrained = self.precision_plugin.mixed_precision_policy, self._pretrained()

@@ -188,7 +188,10 @@ class Hardware:
     memory: float  # bytes
     peak: dict[str, float]  # dense FLOP/s by math: "bf16", "fp8", "fp32"
     hbm: float  # bytes/s
-    nvlink: float = 450e9  # NVLink 4: 900 GB/s both directions
+    # NVLink 4 (900 GB/s both directions, 450 each way) as NCCL reaches it: about 370 GB/s bus bandwidth for
+    # all-gather and reduce-scatter on 8 H100 SXM, after its protocol's ~20% (NCCL's maintainer,
+    # github.com/NVIDIA/nccl-tests/issues/212 and github.com/NVIDIA/nccl/issues/1442; 350-370 measured in nccl#1281)
+    nvlink: float = 370e9
     network: float = 45e9  # 400 Gb/s per GPU, as NCCL reaches it
     alpha_nvlink: float = 10e-6  # seconds per collective step
     alpha_network: float = 25e-6

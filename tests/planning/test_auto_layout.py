@@ -18,11 +18,12 @@ from cuboid.parallel import LayoutError, find_blocks
 from cuboid.planning import plan_module, profile
 from cuboid.planning.auto import Device, choose
 
-# specs (tests/workers/auto_worker.py) per world size: the four kinds of model the issue names at 2, 4 and 8 ranks;
-# sizes given (tp2, pp2), checkpointing given, a memory budget, and a step that cannot be measured where they fit
+# specs (tests/workers/auto_worker.py) per world size: the four kinds of model the issue names at 2, 4 and 8 ranks
+# (and an MoE); at 2, sizes given (tp2, pp2), checkpointing given, a memory budget, and a step that cannot be
+# measured (the 4-rank tp2, pp2 and AC rows of docs/planning.md were run by hand: the suite's time)
 WORLDS = {
     2: ("dense", "lstm", "llama", "vlm", "moe", "reads", "llama_tp2", "llama_pp2", "llama_tight", "llama_ac"),
-    4: ("dense", "lstm", "llama", "vlm", "moe", "llama_tp2", "llama_pp2", "llama_ac"),
+    4: ("dense", "lstm", "llama", "vlm", "moe"),
     8: ("dense", "lstm", "llama", "vlm"),
 }
 MEASURED = [(world, name) for world, names in WORLDS.items() for name in names if name != "reads"]
