@@ -18,11 +18,11 @@ from cuboid.step import CuboidPrecision
 class ChoosingLayout:
     """The strategy's part that applies ``layout="auto"`` at setup, and remakes what reads the mesh."""
 
-    def choose_layout(self, trainer: Any, lm: nn.Module, pipeline_args: tuple) -> bool:
+    def choose_layout(self, trainer: Any, lm: nn.Module, pipeline_args: tuple) -> None:
         """``layout="auto"``: rank 0 measures ``lm``'s step on the first training batch and chooses (the others
         wait for its answer); the settings and degrees become the choice, and the meshes are built again where the
-        degrees changed. Returns whether a choice was applied (what reads the settings is then made again).
-        Nothing is sharded or allocated yet."""
+        degrees changed, and what reads the settings and the mesh is made again. Nothing is sharded or allocated
+        yet."""
         from dataclasses import replace
 
         from cuboid.parallel import LayoutError
@@ -59,7 +59,7 @@ class ChoosingLayout:
         for line in lines:
             rank_zero_info(line)
         if args is None:
-            return False
+            return
         s = self.settings
         replicated = args["data_parallel_shard"] == 1 and args["data_parallel_replicate"] > 1 and args["pipeline_parallel"] == 1 and args["tensor_parallel"] == 1  # fmt: skip
         pp = args["pipeline_parallel"]
@@ -82,7 +82,6 @@ class ChoosingLayout:
         self.pipelining = Pipelining(self.dims, schedule, args.get("microbatches", micro), virtual, split,
                                      settings.reshard_after_forward)  # fmt: skip
         self._after_mesh()
-        return True
 
     def _after_mesh(self) -> None:
         """What reads the mesh once it is built (again, when ``layout="auto"`` chose other degrees)."""

@@ -13,7 +13,8 @@
   tensors (the planner's input, :mod:`cuboid.planning.measured`) and a real step (what a test checks the
   planner's prediction against).
 
-``tests/test_compat.py`` pins both: a fake step's peak by category equals a real step's on the same model.
+``tests/test_compat.py`` pins them: LiveBytes on a fake step counts what MemTracker counts on the real one, the
+RNN workspace and the grouped GEMM's shape are restored, and RealData runs what touches data alone.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from typing import Any
 
 from torch import nn
 
+from cuboid.planning.estimate import _ring  # (the same alpha-beta ring as the formula planner's)
 from cuboid.planning.measured import Profile
 
 GIB = 2**30
@@ -126,7 +127,6 @@ def _divisors(n: int) -> list[int]:
 
 def _tp_ok(module: nn.Module, tp: int) -> bool:
     """A tensor-parallel plan resolves for ``module`` and every weight it splits divides by ``tp``."""
-    from cuboid.measure import estimate  # noqa: F401  (same wing order as setup: parallel before measure)
     from cuboid.parallel import resolve_plan
 
     try:
@@ -203,7 +203,7 @@ def cost(
         parts["gathered"] = (gathered + (2 * unit if pp == 1 else 0)) * compute / stored + unit * trained
     micro = profile.samples / microbatches
     in_flight = min(microbatches, pp) if pp > 1 else 1
-    block_act = sum(u.activation_bytes for u in profile.units)
+    block_act = profile.block_activation_bytes
     other_act = max(0.0, profile.activation_bytes - block_act)
     recomputed = 0.0  # full checkpointing: one block's set, made again while its backward runs
     if ac == "full" and profile.units:
@@ -228,10 +228,6 @@ def cost(
     return replace(choice, fits=choice.memory <= headroom * device.memory)
 
 
-def _ring(size: int, nbytes: float, bandwidth: float, alpha: float) -> float:
-    return 0.0 if size <= 1 else (size - 1) * alpha + nbytes * (size - 1) / size / bandwidth
-
-
 def _seconds(profile: Profile, d: Device, pp: int, dp: int, tp: int, cp: int, ac: str | None, replicated: bool,
              m: int, local: float, stage: float, unit: float, stored: int) -> float:  # fmt: skip
     from cuboid.planning.planner import CALIBRATION
@@ -241,13 +237,11 @@ def _seconds(profile: Profile, d: Device, pp: int, dp: int, tp: int, cp: int, ac
     span = dp * tp * cp
     bw = d.link_intra if span <= d.per_node else d.link_inter
     trained = profile.trainable / max(profile.params, 1)
-    if replicated:
+    if replicated:  # DDP's all-reduce of the gradients
         comm = 2 * _ring(dp, stage * trained, bw, d.alpha)
-        exposed = max(0.0, comm - compute) + comm / max(len(profile.units), 1)
-    else:
-        shards = dp * cp
-        comm = 2 * _ring(shards, stage, bw, d.alpha) + _ring(shards, stage * trained, bw, d.alpha)
-        exposed = max(0.0, comm - compute) + comm / max(len(profile.units), 1)
+    else:  # FSDP's all-gathers of the parameters, forward and backward, and the gradients' reduce-scatter
+        comm = 2 * _ring(dp * cp, stage, bw, d.alpha) + _ring(dp * cp, stage * trained, bw, d.alpha)
+    exposed = max(0.0, comm - compute) + comm / max(len(profile.units), 1)  # the first block's is never hidden
     tp_time = 0.0
     if tp > 1:
         per = sum(u.input_bytes for u in profile.units) * profile.samples / cp

@@ -3,10 +3,11 @@ formula: its parameter bytes per module, and one step's activation bytes, backwa
 FLOPs per sample, taken on fake tensors (no storage: a 70B model measures on a laptop).
 
 :func:`profile` copies the module onto the meta device (parameters only as shapes; a module already on meta costs
-nothing to copy), gives the copy fake storage, and runs ``training_step`` on a fake copy of one batch, then
-``backward`` and the optimizer's ``step``, under torch's ``MemTracker`` and ``FlopCounterMode``. The real module,
-its weights and its Trainer are untouched: the copy's ``self.log`` does nothing and ``self.trainer`` is the real
-one, read only.
+nothing to copy), gives the copy fake storage, and runs ``training_step`` on the batch, then ``backward`` and the
+optimizer's ``step``, under torch's ``FakeTensorMode`` and ``FlopCounterMode`` with ``compat.LiveBytes`` counting
+what is alive. The batch stays real (``compat.RealData``): operators on data alone run for real, whatever meets a
+weight is fake. The real module, its weights and its Trainer are untouched: the copy's ``self.log`` does nothing
+and ``self.trainer`` is the real one, read only.
 
 A step that cannot run on fake tensors (it reads a value: ``.item()``, a data-dependent shape; a custom autograd
 function without a meta kernel; manual optimization) gives an :class:`Unmeasured` with the reason in one line, and
@@ -18,7 +19,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +63,6 @@ class Profile:
     step_temp_bytes: int  # the optimizer step's temporaries beyond its state (for-loop: one parameter's; foreach: all)
     peak_bytes: int  # the single-process step's peak, everything together
     seconds: float  # what measuring took
-
-    @property
-    def unit_param_bytes(self) -> int:
-        return sum(u.param_bytes for u in self.units)
 
     @property
     def block_activation_bytes(self) -> float:
@@ -120,23 +117,12 @@ def _fake_storage(module: nn.Module, mode: Any, dtype: torch.dtype | None) -> No
             m._buffers[name] = fake(b, False)
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _map_tensors(v, fn) for k, v in obj.items()}) if type(obj) is not dict else {
-            k: _map_tensors(v, fn) for k, v in obj.items()}  # fmt: skip
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map_tensors(obj, lambda t: found.append(t) or t)
-    return found
+    """Every tensor in a batch (nested in mappings, lists and tuples), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item)]
 
 
 def batch_samples(batch: Any) -> tuple[int, int | None]:
@@ -188,7 +174,7 @@ def profile(
     dtype: torch.dtype | None = None,
     foreach: bool | None = None,
 ) -> Profile | Unmeasured:
-    """One training step of ``lm`` (a LightningModule) on a fake copy of ``batch``, measured.
+    """One training step of ``lm`` (a LightningModule) on ``batch``, with fake weights, measured.
 
     ``blocks``: the repeated units (``cuboid.parallel.find_blocks``'s answer, looked up when None). ``dtype``: the
     floating dtype to run in (the compute dtype of the run: bf16 under ``bf16-mixed``); None keeps the module's.
@@ -206,7 +192,6 @@ def profile(
         _fake_storage(copied, mode, dtype)
         modules = dict(copied.named_modules())
         found = find_blocks(copied) if blocks is None else [(n, modules[n]) for n, _ in blocks]
-        fake_batch = batch  # real: the step may read its data (compat.RealData); what meets a weight turns fake
         optimizers = _optimizers(copied.configure_optimizers())
         for group in (g for opt in optimizers for g in opt.param_groups):
             if foreach is not None and group.get("foreach", False) is None and not group.get("fused"):
@@ -229,7 +214,7 @@ def profile(
         try:
             with mode, compat.RealData(), live, FlopCounterMode(display=False) as flops, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                loss = _loss(copied.training_step(fake_batch, 0))
+                loss = _loss(copied.training_step(batch, 0))  # real data: RealData lets the step read it
                 if loss is None:
                     return Unmeasured("its training_step returned no loss (a dict without 'loss', or None)")
                 forward_end = live.live
