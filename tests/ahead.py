@@ -34,8 +34,9 @@ from pathlib import Path
 NICE = 19  # the background launches' niceness: they get the CPU the foreground does not want
 PEER_TIMEOUT = 300  # seconds without a heartbeat before a rank of a launch that runs ahead is taken for dead
 # Seconds a fixture may run ahead before it is taken for stuck: its tests fail with every thread's stack, and nothing
-# more runs ahead (each launch has its own limit, 600 s; the longest fixture, parity's, takes 4-5 minutes).
-STUCK = 1800
+# more runs ahead. Each launch has its own limit (harness.launch_limit: three times its 600 s while it runs ahead,
+# starved by the foreground); the longest fixture, parity's, takes 4-5 minutes with the CPU to itself.
+STUCK = 2700
 
 
 class Ahead:

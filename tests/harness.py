@@ -36,6 +36,18 @@ def free_port() -> int:
 # background thread: the session's, whatever a foreground test sets meanwhile).
 LOCAL = threading.local()
 
+# A launch that runs ahead (tests/ahead.py, at nice 19) gets only the cores the foreground tests leave it, so its
+# wall-clock limit is this many times the one it asks for: CI's 4-rank parity launch, starved by the foreground, ran
+# past its 600 s at nice 19 (stop 77, killed in pp2xtp2-Interleaved1F1B-meta_init, a spec of 35 s by itself). A rank
+# that hangs is still stopped: by its peers' watchdogs (ahead.PEER_TIMEOUT) or at this limit.
+AHEAD_LIMIT_SCALE = 3
+
+
+def launch_limit(timeout: float) -> float:
+    """The wall-clock limit of a launch that asks for ``timeout`` seconds from this thread."""
+    environ = getattr(LOCAL, "environ", None) or {}
+    return timeout * AHEAD_LIMIT_SCALE if environ.get("CUBOID_TEST_NICE") else timeout
+
 
 def worker_env(**extra: str) -> dict[str, str]:
     environ = getattr(LOCAL, "environ", None) or os.environ
@@ -148,6 +160,7 @@ class Launch:
     codes: list[int | None]
     out: str
     timed_out: bool = False
+    limit: float = 0.0  # the wall-clock limit it ran under, in seconds
 
     @property
     def ok(self) -> bool:
@@ -162,7 +175,7 @@ class Launch:
 
     def message(self) -> str:
         """Why the launch failed: the exit codes by name, the spec it was running, faulthandler's stacks, the tail."""
-        how = (f"did not finish in its time limit (killed; {_codes(self.codes)})" if self.timed_out
+        how = (f"did not finish in its time limit of {self.limit:.0f} s (killed; {_codes(self.codes)})" if self.timed_out
                else f"exited with {_codes(self.codes)}")  # fmt: skip
         spec = self.running_spec()
         where = f" while running spec {spec}" if spec else ""
@@ -187,7 +200,8 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
 
     The ranks are forked from the suite's fork server (``tests/forkserver.py``: torch, Lightning, transformers and
     Cuboid imported once); ``CUBOID_TEST_LAUNCH=torchrun`` launches them with ``python -m torch.distributed.run``
-    instead, each rank a fresh interpreter."""
+    instead, each rank a fresh interpreter. A launch that runs ahead gets :func:`launch_limit`'s longer limit."""
+    timeout = launch_limit(timeout)
     if os.environ.get("CUBOID_TEST_LAUNCH") == "torchrun":
         cmd = torchrun_cmd(nprocs, script, *args)
         try:
@@ -195,8 +209,8 @@ def launch(nprocs: int, script: Path, *args: str, timeout: float = 600) -> Launc
             proc = run_fresh(cmd, env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-            return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True)
-        return Launch(script, list(args), nprocs, [proc.returncode], proc.stdout + proc.stderr)
+            return Launch(script, list(args), nprocs, [None] * nprocs, out, timed_out=True, limit=timeout)
+        return Launch(script, list(args), nprocs, [proc.returncode], proc.stdout + proc.stderr, limit=timeout)
     return FORKSERVER.launch(nprocs, script, list(args), timeout)
 
 
@@ -312,7 +326,7 @@ class ForkServer:
                     kill_session(agent)
         out = Path(log).read_text(errors="replace")
         os.unlink(log)
-        return Launch(script, args, nprocs, codes, out, timed_out)
+        return Launch(script, args, nprocs, codes, out, timed_out, limit=timeout)
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str, str] | None:
         """``python ARGV`` forked from the server, in ``cwd`` with ``env``; its exit code, stdout and stderr, or

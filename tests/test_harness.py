@@ -212,3 +212,25 @@ def test_a_fixture_stuck_ahead_fails_its_tests_with_every_threads_stack_and_noth
         ahead.quiet()  # returns, though one is still running
     finally:
         gate.set()
+
+
+def test_a_launch_that_runs_ahead_gets_a_longer_limit_than_one_in_the_foreground() -> None:
+    """A launch at nice 19 (tests/ahead.py's thread) gets only the cores the foreground leaves: its wall-clock limit
+    is harness.AHEAD_LIMIT_SCALE times the one it asks for, and a foreground launch keeps its own."""
+    import os
+    import threading
+
+    import harness
+
+    limits: dict[str, float] = {}
+
+    def background() -> None:
+        harness.LOCAL.environ = {**os.environ, "CUBOID_TEST_NICE": "19"}
+        limits["ahead"] = harness.launch(1, WORKERS / "env_worker.py", timeout=100).limit
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    limits["foreground"] = harness.launch(1, WORKERS / "env_worker.py", timeout=100).limit
+    assert limits == {"ahead": 100 * harness.AHEAD_LIMIT_SCALE, "foreground": 100}
+    assert harness.AHEAD_LIMIT_SCALE > 1
