@@ -30,7 +30,7 @@ from cuboid import compat
 from cuboid.checkpoint import load_pretrained, plan_pretrained
 from cuboid.context import ContextParallel
 from cuboid.dropin import Replicating
-from cuboid.experts import LoadBalancing
+from cuboid.experts import ExpertBias, LoadBalancing
 from cuboid.job import start_process_group
 from cuboid.parallel import (
     BuildSettings,
@@ -87,6 +87,7 @@ class MeshCollectives:
         )
         self.context = ContextParallel(self.dims, settings.compile, settings.activation_checkpointing)
         self.load_balancing = LoadBalancing(settings.load_balancing)
+        self.expert_bias = ExpertBias(settings.expert_bias_rate)
         self._process_group_backend = settings.process_group_backend  # resolved by the device at start
 
     @property
@@ -177,6 +178,7 @@ class MeshCollectives:
         with ``pipelined``, rank 0's values kept whole until the split; ``restored``: the names a checkpoint about
         to be loaded fills, left uninitialised), and the settings each parallelization takes. Returns both; the
         weights go to :meth:`finish_build` once the route chosen has parallelized the model."""
+        self.expert_bias.check(root)  # a model with no router it can bias: refused before anything is built
         local = self.initializes_locally
         weights = prepare_weights(
             root, pretrained, self.root_device, pipelined=pipelined, restored=restored, local=local
@@ -218,6 +220,7 @@ class MeshCollectives:
         self.load_balancing.setup(
             module, blocks, *self.token_groups(), whole_step, self.context.step_padding, root=root
         )
+        self.expert_bias.setup(blocks, self.token_groups()[0], self.root_device)
 
     def describe_build(self, blocks: list[tuple[str, nn.Module]], matched: dict[str, Any], more: str = "") -> None:
         rank_zero_info(

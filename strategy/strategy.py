@@ -1,6 +1,5 @@
-"""The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x cp x tp mesh.
-
-Each hook delegates to a collaborator that owns its state: the layout and mesh (``cuboid.parallel``), the pipeline
+"""The Lightning glue: :class:`CuboidStrategy`, a ``ParallelStrategy`` on a pp x dp x cp x tp mesh. Each hook
+delegates to a collaborator that owns its state: the layout and mesh (``cuboid.parallel``), the pipeline
 (``cuboid.pipeline``), the checkpointer (``cuboid.checkpoint``), the job's guard (``cuboid.job``), context parallel
 (``cuboid.context``), the step's numerics (``cuboid.step``). ``_parallelize`` picks a pipelined build or a plain one.
 """
@@ -74,8 +73,9 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
             causal attention; FSDP shards over ``dp_shard x cp``; the step is unchanged (``docs/context.md``).
         expert_parallel: Ranks each mixture-of-experts layer's experts are split over (``ep``), within ``dp_shard``;
             tokens reach their experts by all-to-all, the router is the model's own (``docs/experts.md``).
-        load_balancing: An MoE model's load-balancing loss: ``"global"`` sums its statistic over the ranks holding
-            the step's tokens, as one process computes it; ``"local"`` keeps each rank's own batch, as DDP does.
+        load_balancing: An MoE's load-balancing loss over the ranks holding the step's tokens (``"global"``, as one
+            process) or each rank's own batch (``"local"``, as DDP). expert_bias_rate: the experts balanced without
+            a loss, by a bias on each router's choice moved this much per optimizer step (``1e-3``); None: off.
         tensor_parallel_plan: Module-name glob -> style (``"colwise"``, ``"rowwise"``, ``"embedding"``,
             ``"output"``, ``"sequence_parallel"``), names as seen from the LightningModule, e.g.
             ``{"model.layers.*.attention.wq": "colwise"}``. Default: the model's own ``tp_plan`` (or a Hugging Face
@@ -97,9 +97,8 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         checkpoint_format: ``"sharded"`` (a DCP directory, every rank its shards) or ``"full"`` (one Lightning file
             gathered on rank 0, which ``torch.load`` and ``load_from_checkpoint`` read); both resume on any layout.
             Default: ``"full"`` for a replicated model, ``"sharded"`` otherwise (``docs/checkpoints.md``).
-        data_position: Where a mid-epoch resume starts: ``"exact"``, where the checkpoint was taken (on any dp
-            degree for a loader Lightning deals with its ``DistributedSampler``; at the same degree for one that
-            keeps per-rank state, another degree refused); ``"epoch"``, the interrupted epoch again from its start.
+        data_position: A mid-epoch resume starts ``"exact"``ly where the checkpoint was taken (on any dp degree with
+            Lightning's ``DistributedSampler``; a loader with per-rank state at its own degree) or at the ``"epoch"``'s start.
         fault_tolerance: This job is one torchft replica group (:class:`cuboid.FaultTolerance` or its mapping):
             gradients averaged over the live groups, a restarted group healed by a live one (``docs/fault-tolerance.md``).
         pretrained: Submodule -> weights to fill it with after sharding, e.g. ``{"model": "/ckpt/Llama-3.1-8B"}``: a
@@ -113,9 +112,8 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         preempt_on: Signals on which every rank saves one checkpoint after the same step and stops; under SLURM the
             job is requeued (by the batch script once srun returns, where it sets ``CUBOID_REQUEUE_FILE``; else by
             rank 0). ``()``: a SIGTERM stops every rank without saving (``docs/cluster.md``).
-        nonfinite: ``"raise"``: a NaN/Inf loss or global gradient norm stops every rank before the optimizer step
-            (:class:`cuboid.NonFiniteError`); ``"skip"``: that step is dropped on every rank. One host read per
-            optimizer step; ``None`` (default) checks nothing.
+        nonfinite: ``"raise"``: a NaN/Inf loss or gradient norm stops every rank before the optimizer step
+            (:class:`cuboid.NonFiniteError`); ``"skip"`` drops that step. One host read per step; ``None``: none.
         peer_timeout: Seconds without a heartbeat after which a rank is taken for dead and every other rank stops,
             naming it (exit code 3). ``None`` or ``0``: no watchdog (env ``CUBOID_PEER_TIMEOUT`` overrides).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
@@ -144,6 +142,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         context_parallel: int = 1,
         expert_parallel: int = 1,
         load_balancing: Literal["global", "local"] = "global",
+        expert_bias_rate: float | None = None,
         tensor_parallel_plan: Mapping[str, str] | None = None,
         pipeline_schedule: str = "1F1B",
         microbatches: int | None = None,
@@ -190,7 +189,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
             activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, compile=compile, pretrained=pretrained, load_balancing=load_balancing,
             weights_init=weights_init, defer_reductions=defer_reductions, process_group_backend=process_group_backend,
-            timeout=timeout, layout=layout, device_memory=device_memory))  # fmt: skip
+            timeout=timeout, layout=layout, device_memory=device_memory, expert_bias_rate=expert_bias_rate))  # fmt: skip
         self._pipeline_args = (pipeline_schedule, microbatches, virtual_stages, pipeline_split)
         self.pipelining = Pipelining(self.dims, *self._pipeline_args, self.settings.reshard_after_forward)
         self._replicated_format = checkpoint_format or "full"  # a replicated model writes one file, as DDP does
@@ -279,6 +278,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
             self.setup_optimizers(trainer)
+            self.expert_bias.watch(self.optimizers)  # the bias moves after the routers' optimizer steps
             capacity = self._device_capacity()
             if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
                 check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")

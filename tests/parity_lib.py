@@ -164,6 +164,65 @@ class Reference:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
     loads: list[torch.Tensor] | None = None  # mixture of experts: tokens per expert per step, (layers, experts)
+    biases: dict[str, torch.Tensor] | None = None  # expert_bias_rate: each router's bias after the last step
+
+
+class ReferenceBias:
+    """Balancing without an auxiliary loss, written out for the single-process reference from DeepSeek-V3's rule
+    (arXiv:2412.19437 section 2.1.2; torchtitan's update) and independent of ``cuboid.experts.bias``: each router
+    chooses its top k by ``probabilities + bias`` and weights the chosen experts by the unbiased probabilities,
+    normalised as its family does; after each optimizer step, from the tokens each expert got in the step's
+    forwards, ``delta = rate * sign(mean - tokens)``, ``bias += delta - mean(delta)``. DeepSeek-V3's router keeps
+    its own bias (``e_score_correction_bias``) and its own forward; only the update is added."""
+
+    def __init__(self, model: torch.nn.Module, rate: float, prefix: str = "model.") -> None:
+        from types import MethodType
+
+        self.rate = rate
+        self.routers: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (buffer name, bias, counts)
+        for name, module in model.named_modules():
+            kind = type(module).__name__
+            if kind not in ("Router", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "DeepseekV3TopkRouter"):
+                continue
+            n = module.weight.shape[0]
+            own = kind == "DeepseekV3TopkRouter"
+            bias = module.e_score_correction_bias if own else torch.zeros(n)
+            counts = torch.zeros(n)
+            self.routers.append((f"{prefix}{name}.{'e_score_correction_bias' if own else 'expert_bias'}", bias, counts))
+            if own:
+                module.register_forward_hook(lambda _m, _a, out, counts=counts: self._count(counts, out[2]))
+            else:
+                module.forward = MethodType(self._forward(kind, bias, counts), module)
+
+    def _count(self, counts: torch.Tensor, index: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            counts += torch.bincount(index.reshape(-1), minlength=counts.numel()).float()
+
+    def _forward(self, kind: str, bias: torch.Tensor, counts: torch.Tensor):
+        def forward(router: torch.nn.Module, x: torch.Tensor):
+            flat = x.reshape(-1, router.weight.shape[1])
+            logits = F.linear(flat, router.weight)
+            probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+            index = torch.topk(probs + bias, router.top_k, dim=-1).indices
+            self._count(counts, index)
+            chosen = probs.gather(-1, index)
+            if kind == "Router":  # cuboid.models.moe.Router: (probabilities, weights in x's dtype, ids)
+                return probs, (chosen / chosen.sum(dim=-1, keepdim=True)).to(x.dtype), index
+            if kind == "MixtralTopKRouter" or router.norm_topk_prob:
+                chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+            return logits, chosen.to(logits.dtype) if kind == "Qwen3MoeTopKRouter" else chosen, index
+
+        return forward
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for _, bias, counts in self.routers:
+            delta = self.rate * torch.sign(counts.mean() - counts)
+            bias += delta - delta.mean()
+            counts.zero_()
+
+    def biases(self) -> dict[str, torch.Tensor]:
+        return {name: bias.detach().clone() for name, bias, _ in self.routers}
 
 
 @computed_once
@@ -176,17 +235,19 @@ def reference_run(
     steps: int | None = None,
     cfg: LlamaConfig = CFG,
     microbatches: int = 1,
+    expert_bias: float | None = None,
 ) -> Reference:
     """Single-process fp32 training on the same global batches, clipped at ``CLIP[accumulate]`` (``clip=None``:
     not clipped), from :func:`initial_model` or the weights ``initial``; sequences of ``seq`` tokens; the first
     ``steps`` batches only (default: every batch of every epoch). ``cfg``: the model (an MoE adds its
     load-balancing loss, over the global batch); ``microbatches``: a pipeline's, each with its own load-balancing
-    loss (the step's loss: their mean)."""
+    loss (the step's loss: their mean); ``expert_bias``: the routers' bias moved by this rate (:class:`ReferenceBias`)."""
     max_norm = CLIP[accumulate] if clip == -1.0 else (clip if clip is not None else float("inf"))
     model = initial_model(cfg)
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    balance = ReferenceBias(model, expert_bias) if expert_bias is not None else None
     data = TokenDataset(seq=seq)
     losses, norms = [], []
     for epoch in range(epochs):
@@ -200,7 +261,10 @@ def reference_run(
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
                 opt.step()
                 opt.zero_grad()
-    return Reference(losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()})
+                if balance is not None:
+                    balance.step()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return Reference(losses, norms, params, biases=balance.biases() if balance is not None else None)
 
 
 # The one parity bound, for every layout and model: never loosened.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from parity_lib import ADAMW, GLOBAL_BATCH, SEED, SEQ, Reference, TokenDataset, computed_once
+from parity_lib import ADAMW, GLOBAL_BATCH, SEED, SEQ, Reference, ReferenceBias, TokenDataset, computed_once
 from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics import MeanMetric
@@ -365,6 +365,7 @@ def reference_run(
     max_norm: float | None = None,
     microbatches: int = 1,
     local_balance: bool = False,
+    expert_bias: float | None = None,
 ) -> Reference:
     """Single-process fp32 training of ``family`` on the same global batches, clipped at :func:`clip`, from
     :func:`initial_model` or the weights ``initial``. With ``padded`` and ``dp`` > 1, each step's loss is the mean
@@ -375,13 +376,15 @@ def reference_run(
     the model run on the global batch. With ``microbatches`` > 1 (a pipeline's) it is each microbatch's: each
     rank's batch is cut as the pipeline cuts it, the ranks' ``m``-th pieces run together, and the step's loss is
     the mean over ``m``. With ``local_balance`` (``"local"``) it is each rank's own batch's (or piece's), and the
-    step's loss the mean of theirs."""
+    step's loss the mean of theirs. ``expert_bias``: the routers' bias moved by this rate after each step
+    (``parity_lib.ReferenceBias``)."""
     moe_global = family in MOE and not local_balance
     assert not (moe_global and padded and dp > 1), "the ranks' token means and a global statistic: not modelled"
     model = initial_model(family, meta_init)
     if initial is not None:
         model.load_state_dict(initial)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    balance = ReferenceBias(model, expert_bias) if expert_bias is not None else None
     data = dataset(family, padded=padded, seq=seq)
     shares = dp if padded or family in MOE else 1
     losses, norms, loads = [], [], []
@@ -414,8 +417,11 @@ def reference_run(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)))
             opt.step()
             opt.zero_grad()
+            if balance is not None:
+                balance.step()
     params = {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
-    return Reference(losses, norms, params, loads if routed is not None else None)
+    biases = balance.biases() if balance is not None else None
+    return Reference(losses, norms, params, loads if routed is not None else None, biases)
 
 
 def _count_routing(model: nn.Module) -> list[torch.Tensor]:

@@ -66,6 +66,7 @@ class Replicating:
         choice = choose_replication(lm, self.root_device, self.num_processes, sizes,  # type: ignore[attr-defined]
                                     cpu_offload=self.settings.cpu_offload,  # type: ignore[attr-defined]
                                     pretrained=self.settings.pretrained,  # type: ignore[attr-defined]
+                                    expert_bias_rate=self.settings.expert_bias_rate,  # type: ignore[attr-defined]
                                     **asked)  # fmt: skip
         rank_zero_info(f"Cuboid: data parallel, {choice.reason}")
         if not choice.replicate:

@@ -65,6 +65,8 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             sequence after each forward, so the loop's loss is unchanged.
         expert_parallel: Ranks each mixture-of-experts layer's experts are split over, within ``dp_shard``.
         load_balancing: An MoE's load-balancing loss over the whole step (``"global"``) or each rank's batch.
+        expert_bias_rate: An MoE's experts balanced without a loss, by a bias on each router's choice moved this much
+            after each optimizer step (``1e-3``); None: off.
         pipeline_parallel: Must be 1: a Fabric loop has no step for a pipeline schedule to replay (use the Trainer).
         tensor_parallel_plan, block_container, activation_checkpointing, reshard_after_forward, cpu_offload,
             compile, checkpoint_format, process_group_backend, timeout, weights_init: as the Trainer's strategy.
@@ -85,6 +87,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         context_parallel: int = 1,
         expert_parallel: int = 1,
         load_balancing: Literal["global", "local"] = "global",
+        expert_bias_rate: float | None = None,
         pipeline_parallel: int = 1,
         tensor_parallel_plan: Mapping[str, str] | None = None,
         block_container: str | None = None,
@@ -123,7 +126,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload, compile=compile, pretrained=pretrained, load_balancing=load_balancing,
             weights_init=weights_init, defer_reductions=defer_reductions, process_group_backend=process_group_backend,
-            timeout=timeout))  # fmt: skip
+            timeout=timeout, expert_bias_rate=expert_bias_rate))  # fmt: skip
         self.checkpointer = Checkpointer(checkpoint_format, False, barrier=self.barrier)
         self._num_nodes = 1
         self._module: nn.Module | None = None
@@ -219,6 +222,7 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
         """Check that ``optimizer`` steps the model's sharded parameters (not copies from before ``fabric.setup``)."""
         if self._module is not None:
             check_optimizer(optimizer, self._module)
+        self.expert_bias.watch([optimizer])  # the bias moves after the routers' optimizer steps
         return optimizer
 
     @override

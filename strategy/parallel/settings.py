@@ -35,6 +35,7 @@ class BuildSettings:
     compile: bool = False
     pretrained: Mapping[str, str] = field(default_factory=dict)
     load_balancing: str = "global"
+    expert_bias_rate: float | None = None  # the experts' bias (aux-loss-free balancing), by this step; None: off
     weights_init: str = "auto"
     defer_reductions: str | None = "replicas"
     process_group_backend: str | None = None
@@ -72,6 +73,7 @@ class BuildSettings:
         timeout: timedelta | float | None,
         layout: str | None = None,
         device_memory: float | str | None = None,
+        expert_bias_rate: float | None = None,
     ) -> BuildSettings:
         """The record of a door's arguments, every one given, named as the doors name them (their docstrings say
         what each does).
@@ -115,6 +117,7 @@ class BuildSettings:
             compile=compile,
             pretrained={str(k): str(v) for k, v in (pretrained or {}).items() if v is not None},
             load_balancing=load_balancing,
+            expert_bias_rate=expert_bias_rate,
             weights_init=weights_init,
             defer_reductions=defer_reductions,
             process_group_backend=process_group_backend,

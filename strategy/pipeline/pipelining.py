@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cuboid import compat
 from cuboid.parallel import ParallelSettings
 from cuboid.pipeline import stages as pipeline
 from cuboid.pipeline.decoder import DecoderShape
@@ -141,6 +142,8 @@ class Pipelining:
         pp_group = mesh["pp"].get_group()
         n_stages = self.pp * self.virtual_stages
         stages = [PipelineStage(module, sid, n_stages, device, group=pp_group) for sid, module in stage_modules]
+        for stage in stages:  # its shape inference's forwards are not a step's (what counts a step's tokens asks)
+            compat.watch_metadata_inference(stage)
         last_pp_rank = 0 if self.schedule in pipeline.V_SHAPED else self.pp - 1
         last_stage_rank = dist.get_global_rank(pp_group, last_pp_rank)
         host_group = self._host_group(mesh)

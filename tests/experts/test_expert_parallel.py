@@ -29,6 +29,8 @@ STEPS = 6  # of the epoch's 12
 LOG_EVERY = 2  # CuboidMonitor logs (and counts expert load) on steps 0, 2 and 4
 EP2 = {"expert_parallel": 2}
 CP_SEQ = 63  # a transformers model reads seq + 1 = 64 tokens: a multiple of 2 x cp
+RATE = 1e-2  # expert_bias_rate: a bias of about 0.015 after 6 steps, which moves the losses by about 1e-4
+BIAS = {"expert_bias_rate": RATE}
 RUNS: dict[str, tuple[int, dict]] = {
     "hf_qwen3_moe-ep2": (2, {"model": "hf_qwen3_moe", "strategy": EP2}),
     # each rank's own statistic, as DDP computes it (the default sums it over the ranks: "global")
@@ -65,8 +67,32 @@ RUNS: dict[str, tuple[int, dict]] = {
                                           "strategy": {**EP2, "activation_checkpointing": "selective"}}),
     "cuboid_moe-pp2xep2-ac_full": (4, {"model": "cuboid_moe", "strategy": {**EP2, "pipeline_parallel": 2,
                                                                            "activation_checkpointing": "full"}}),
+    # balancing without an auxiliary loss (expert_bias_rate): each router's bias, moved after every optimizer step
+    # from the tokens its experts got over the step's ranks, equals one process's (parity_lib.ReferenceBias); under
+    # pp the schedule's shape inference counts nothing, nor does a checkpointed block's recompute
+    "cuboid_moe-bias-dp2": (2, {"model": "cuboid_moe", "strategy": BIAS}),
+    "cuboid_moe-bias-tp2": (2, {"model": "cuboid_moe", "strategy": {**BIAS, "tensor_parallel": 2}}),
+    "cuboid_moe-bias-cp2": (2, {"model": "cuboid_moe", "strategy": {**BIAS, "context_parallel": 2}, "seq": 64}),
+    "cuboid_moe-bias-pp2-ac_full": (2, {"model": "cuboid_moe", "strategy": {**BIAS, "pipeline_parallel": 2,
+                                                                            "activation_checkpointing": "full"}}),
+    "hf_qwen3_moe-bias-ep2": (2, {"model": "hf_qwen3_moe", "strategy": {**BIAS, **EP2}}),
+    # DeepSeek-V3's router keeps its own selection bias (e_score_correction_bias): Cuboid moves that one
+    "hf_deepseek_v3-bias-dp2": (2, {"model": "hf_deepseek_v3", "strategy": BIAS}),
+    "cuboid_moe-bias-pp2xep2": (4, {"model": "cuboid_moe", "strategy": {**BIAS, **EP2, "pipeline_parallel": 2}}),
+    "cuboid_moe-bias-pp2xcp2xep2": (4, {"model": "cuboid_moe", "strategy": {**BIAS, **EP2, "context_parallel": 2,
+                                                                            "pipeline_parallel": 2}, "seq": 64}),
+    "hf_mixtral-bias-ep2xtp2": (4, {"model": "hf_mixtral", "strategy": {**BIAS, **EP2, "tensor_parallel": 2}}),
 }  # fmt: skip
 CLIP_CUBOID_MOE = {SEQ: 1.4, 64: 1.33}  # the reference clips on some steps and not on others
+
+
+def bias_error(got: dict, ref: third_party.Reference) -> float:
+    """The largest difference between a run's expert biases and the reference's, after checking that every router
+    of the reference has one in the run and that the reference's moved (they start at zero; a layer's may be back at
+    zero after an even number of steps, the sign rule overshooting and returning)."""
+    assert ref.biases and sorted(got["biases"]) == sorted(ref.biases), (sorted(got["biases"]), sorted(ref.biases))
+    assert any(b.abs().max() > 0 for b in ref.biases.values())
+    return max((got["biases"][k] - v).abs().max().item() for k, v in ref.biases.items())
 
 
 def dp_of(name: str) -> int:
@@ -90,12 +116,13 @@ def reference(name: str) -> third_party.Reference:
     if spec["model"] == "cuboid_moe":
         return parity_lib.reference_run(
             clip=clip_of(name), steps=STEPS, seq=spec.get("seq", SEQ), cfg=parity_lib.MOE_CFG,
-            microbatches=2 * pp if pp > 1 else 1,
+            microbatches=2 * pp if pp > 1 else 1, expert_bias=spec["strategy"].get("expert_bias_rate"),
         )  # fmt: skip
     return third_party.reference_run(
         spec["model"], dp=dp_of(name), steps=STEPS, max_norm=third_party.clip(spec["model"], padded),
         microbatches=2 * pp if pp > 1 else 1, seq=spec.get("seq", SEQ), padded=padded,
         local_balance=spec["strategy"].get("load_balancing") == "local",
+        expert_bias=spec["strategy"].get("expert_bias_rate"),
     )  # fmt: skip
 
 
@@ -122,6 +149,14 @@ def results(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Itera
         {"name": "dp2-from-ep2", "strategy": {}, **QWEN, "resume_from": str(out / "ep2" / "step=6.ckpt")},
         {"name": "dp2-save", "strategy": {}, **SAVE, "save_dir": str(out / "dp2")},
         {"name": "ep2-from-dp2", "strategy": EP2, **QWEN, "resume_from": str(out / "dp2" / "step=6.ckpt")},
+        # the experts' bias in the checkpoint: saved at ep2, resumed at tp2 (whole on every rank, in the model state)
+        {"name": "bias-ep2-save", "strategy": {**EP2, **BIAS}, **SAVE, "save_dir": str(out / "bias-ep2")},
+        {
+            "name": "bias-tp2-from-ep2",
+            "strategy": {"tensor_parallel": 2, **BIAS},
+            **QWEN,
+            "resume_from": str(out / "bias-ep2" / "step=6.ckpt"),
+        },
         # built on meta, each rank's experts filled from the safetensors file
         {
             "name": "ep2-pretrained",
@@ -165,6 +200,8 @@ def test_expert_parallel_matches_single_process(name: str, results) -> None:
     TABLE[name] = (rel, err)
     assert rel <= LOSS_RTOL, f"{name}: relative loss error {rel:.2e}"
     assert err <= PARAM_ATOL, f"{name}: parameter error {err:.2e}"
+    if "expert_bias_rate" in spec["strategy"]:  # every router's bias, each stage's under pp, as one process's
+        assert bias_error(got, ref) <= PARAM_ATOL, f"{name}: bias error {bias_error(got, ref):.2e}"
     # the aten ops Cuboid calls (grouped GEMMs, cp's attention blocks) were held to their CUDA kernels' preconditions
     assert (
         all(facts["cuda_contracts"] is not None for facts in got["ranks"]) or "expert_parallel" not in spec["strategy"]
@@ -199,6 +236,17 @@ def test_checkpoints_move_between_ep2_and_ep1(name: str, saved: str, results) ->
     meta = _read_meta(results.out / saved.removesuffix("-save") / "step=6.ckpt")
     ep = 2 if saved == "ep2-save" else 1
     assert meta["cuboid"]["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": ep}
+
+
+@pytest.mark.slow
+def test_the_experts_bias_is_saved_and_resumed_at_another_layout(results) -> None:
+    """``expert_bias_rate`` at ep2, saved at step 6, resumed at tp2: the resumed steps and the final biases equal the
+    uninterrupted single-process run's (a bias restarted at zero moves the losses by about 1e-4)."""
+    ref = third_party.reference_run("hf_qwen3_moe", dp=2, max_norm=QWEN["clip"], expert_bias=RATE)
+    assert parity_errors(results["bias-ep2-save"], ref, slice(0, 7))[0] <= LOSS_RTOL
+    rel, err = parity_errors(results["bias-tp2-from-ep2"], ref, slice(6, None))
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+    assert bias_error(results["bias-tp2-from-ep2"], ref) <= PARAM_ATOL
 
 
 @pytest.mark.slow

@@ -507,9 +507,13 @@ def run(spec: dict, out_dir: Path) -> None:
                 )
             dist.barrier()
     own = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in module.named_parameters()}
+    # the experts' selection biases (expert_bias_rate; DeepSeek-V3's own buffer), under pp each stage's
+    own_biases = {n: b.detach().cpu().clone() for n, b in module.named_buffers()
+                  if n.endswith(("expert_bias", "e_score_correction_bias"))}  # fmt: skip
     shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, own)  # pipeline stages hold different parameters
-    full = {k: v for share in shares for k, v in share.items()}
+    dist.all_gather_object(shares, (own, own_biases))  # pipeline stages hold different parameters
+    full = {k: v for share, _ in shares for k, v in share.items()}
+    biases = {k: v for _, share in shares for k, v in share.items()}
     kept = None
     if spec.get("whole_after_fit"):  # what a library reads of a model kept sharded (cuboid.dropin.kept), every rank
         from cuboid import whole_state_dict
@@ -526,6 +530,7 @@ def run(spec: dict, out_dir: Path) -> None:
             "losses": facts.losses,
             "link_targets_complete": facts.link_targets_complete,
             "params": full,
+            "biases": biases,
             "kept": kept,
             "ranks": everyone,
             "mesh": strategy.device_mesh.mesh.tolist(),
