@@ -42,7 +42,7 @@ from cuboid.parallel import (
     prepare_weights,
     submesh,
 )
-from cuboid.step import CuboidPrecision, DeferredReductions
+from cuboid.step import CuboidPrecision, DeferredReductions, refuse_muon_shapes, whole_matrix_steps
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -328,6 +328,21 @@ class MeshStrategy(Replicating, MeshCollectives, ParallelStrategy):
         state = super().__getstate__()
         state["_launcher"] = None
         return state
+
+    def make_optimizers(self, trainer: Any) -> None:
+        """Lightning's ``setup_optimizers``, with torch's Muon refusal of a parameter that is not a matrix naming the
+        parameters, and the experts' bias following the routers' optimizer."""
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as error:
+            raise refuse_muon_shapes(error, self.lightning_module.named_parameters()) from error
+        self.expert_bias.watch(self.optimizers)  # the bias moves after the routers' optimizer steps
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's, with torch's Muon orthogonalizing whole matrices (:mod:`cuboid.step.muon`)."""
+        with whole_matrix_steps():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def model_to_device(self) -> None:

@@ -277,8 +277,7 @@ class CuboidStrategy(ChoosingLayout, CheckpointHooks, MeshStrategy):
         self.barrier()
         if fitting:
             self.optimizers, self.lr_scheduler_configs = [], []
-            self.setup_optimizers(trainer)
-            self.expert_bias.watch(self.optimizers)  # the bias moves after the routers' optimizer steps
+            self.make_optimizers(trainer)  # (and the experts' bias on the routers' optimizer)
             capacity = self._device_capacity()
             if capacity is not None:  # with the optimizers' own state now: a layout that cannot fit, refused
                 check_fits(lm, self.optimizers, capacity, f"The layout {self.layout.describe()}")

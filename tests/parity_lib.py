@@ -290,3 +290,89 @@ def fit_estimate_error(ranks: list[dict]) -> float:
         assert facts["estimated_params"] is not None, facts["rank"]
         worst = max(worst, abs(facts["estimated_params"] / facts["bytes"]["params"] - 1))
     return worst
+
+
+# Muon (issue 70, item 2): the blocks' 2-D weights by Muon, the rest (embeddings, norms, the output) by AdamW
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+
+
+def muon_names(model: torch.nn.Module) -> list[str]:
+    """The parameters Muon steps: the blocks' matrices (as Muon's authors do: not embeddings, norms or the head)."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
+
+
+class MuonModule(LlamaModule):
+    """The parity Llama with two optimizers, as a Muon user writes it: ``cuboid.optim.Muon`` (Newton-Schulz in
+    fp32) for the blocks' matrices and AdamW for the rest, stepped by hand (manual optimization)."""
+
+    def __init__(self, meta_init: bool = False, cfg: LlamaConfig = CFG, everything: bool = False) -> None:
+        super().__init__(meta_init, cfg)
+        self.automatic_optimization = False
+        self.everything = everything  # a mistake to refuse: every parameter (norms too) given to Muon
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = step_loss(self.model, batch["tokens"])
+        self.log("train_loss", loss, sync_dist=True)
+        for opt in self.optimizers():
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        from cuboid.optim import Muon
+
+        matrices = {f"model.{n}" for n in muon_names(self.model)}
+        named = dict(self.named_parameters())
+        if self.everything:
+            return torch.optim.Muon(self.parameters(), lr=MUON["lr"])
+        muon = Muon([named[n] for n in sorted(matrices)], **MUON, ns_dtype=torch.float32)
+        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], **ADAMW)
+        return [muon, adamw]
+
+
+def reference_newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Newton-Schulz orthogonalization written out from Keller Jordan's Muon (github.com/KellerJordan/Muon, as
+    torch.optim._muon follows it), in fp32: scale to norm 1, work on the wide side, 5 quintic steps."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.float()
+    if g.shape[0] > g.shape[1]:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+@computed_once
+def muon_reference_run(steps: int, cfg: LlamaConfig = CFG) -> Reference:
+    """Single-process fp32 training with the same two optimizers as :class:`MuonModule`: Muon written out (momentum
+    ``lerp``, Nesterov, :func:`reference_newton_schulz`, the learning rate times ``sqrt(max(1, rows / cols))``,
+    decoupled weight decay) for the blocks' matrices, torch's AdamW for the rest; no clipping."""
+    model = initial_model(cfg)
+    matrices = set(muon_names(model))
+    named = dict(model.named_parameters())
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], **ADAMW)
+    momentum = {n: torch.zeros_like(named[n]) for n in matrices}
+    data = TokenDataset()
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED)).tolist()
+    losses = []
+    for k in range(steps):
+        tokens = torch.stack([data[i]["tokens"] for i in perm[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]])
+        loss = step_loss(model, tokens)
+        adamw.zero_grad()
+        for n in matrices:
+            named[n].grad = None
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for n in sorted(matrices):
+                p, g, buf = named[n], named[n].grad, momentum[n]
+                buf.lerp_(g, 1 - MUON["momentum"])
+                update = reference_newton_schulz(g.lerp(buf, MUON["momentum"]))
+                p.mul_(1 - MUON["lr"] * MUON["weight_decay"])
+                p.add_(update, alpha=-MUON["lr"] * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
+        adamw.step()
+    return Reference(losses, [], {k: v.detach().clone() for k, v in model.named_parameters()})

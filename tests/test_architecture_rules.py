@@ -34,6 +34,8 @@ ALLOWED = {
     "torch's parallelize_module and checkpoint_wrapper do",
     ("experts/hf.py", "module.forward"): "a transformers experts module's forward replaced by the expert-parallel "
     "one, in the model being parallelized",
+    ("experts/bias.py", "module.forward"): "a router's forward wrapped in place so that its top-k choice adds the "
+    "experts' bias (expert_bias_rate), in the model being parallelized",
     ("experts/balance.py", "block.aux_loss"): "a transformers MoE block's auxiliary loss, read by the model's own "
     "forward, replaced by the one summed over the step's ranks",
     ("experts/balance.py", "output.aux_loss"): "a transformers model output's auxiliary loss replaced by the global "

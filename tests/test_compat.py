@@ -1147,3 +1147,53 @@ def test_real_data_beside_fake_weights_and_the_grouped_gemm_shape() -> None:
     with mode, compat.RealData():
         shaped = F.grouped_mm(fa, fb, offs=foffs)
     assert shaped.shape == real.shape and shaped.dtype == real.dtype
+
+
+def test_torchs_muon_orthogonalizes_through_the_module_function_and_its_step_hook_wrapper() -> None:
+    """``compat.muon_newton_schulz``: torch's Muon step calls ``torch.optim._muon._zeropower_via_newtonschulz``
+    once per matrix, by module lookup (replaced inside the context, torch's own again after). ``compat.unhooked_step``:
+    once a Muon exists its class's ``step`` is torch's hook wrapper (``hooked``), and the function under it."""
+    import torch.optim._muon as muon
+
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    p.grad = torch.randn(6, 4)
+    opt = torch.optim.Muon([p], lr=0.1)
+    seen = []
+
+    def orthogonalize(update, *args):
+        seen.append(tuple(update.shape))
+        return compat.muon_newton_schulz.original(update, *args)
+
+    with compat.muon_newton_schulz(orthogonalize):
+        opt.step()
+    assert seen == [(6, 4)] and muon._zeropower_via_newtonschulz is compat.muon_newton_schulz.original
+    assert getattr(torch.optim.Muon.step, "hooked", False)
+    assert not getattr(compat.unhooked_step(torch.optim.Muon.step), "hooked", False)
+
+
+def test_the_autograd_graph_task_and_a_pipeline_stages_shape_inference_are_told() -> None:
+    """``compat.in_backward``: false in a forward, true inside a backward (a checkpointed recompute runs there);
+    ``compat.watch_metadata_inference``: torch's PipelineStage has ``_prepare_forward_infra`` and
+    ``_prepare_backward_infra``, and the forwards they run are marked."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    inside = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: inside.append(compat.in_backward()) or g)
+    assert not compat.in_backward()
+    y.sum().backward()
+    assert inside == [True] and not compat.in_backward()
+    assert callable(PipelineStage._prepare_forward_infra) and callable(PipelineStage._prepare_backward_infra)
+
+    class Stage:  # the two methods as torch's stage has them: each runs the module's forward
+        def _prepare_forward_infra(self, *args, **kwargs):
+            return compat.counted_forward()
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            return compat.counted_forward()
+
+    stage = Stage()
+    compat.watch_metadata_inference(stage)
+    assert stage._prepare_forward_infra() is False and stage._prepare_backward_infra(1) is False
+    assert compat.counted_forward()

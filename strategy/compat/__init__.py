@@ -377,5 +377,6 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
 )
 from cuboid.compat.fsdp import MIXED_TENSORS, drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
 from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)
+from cuboid.compat.optim import muon_newton_schulz, unhooked_step  # noqa: E402, F401  (torch's Muon, whole matrices)
 from cuboid.compat.passes import counted_forward, in_backward, watch_metadata_inference  # noqa: E402, F401
 from cuboid.compat.tracing import LiveBytes, RealData, StepMemory, fake_mode, track_memory  # noqa: E402, F401

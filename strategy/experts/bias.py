@@ -57,13 +57,12 @@ class ExpertBiasError(ValueError):
 
 @dataclass
 class Router:
-    """One router Cuboid biases: its name in the model, the module, its bias buffer and this step's counts."""
+    """One router Cuboid biases: its name in the model, the module and its bias buffer."""
 
     name: str
     module: nn.Module
     bias: Tensor
     own: bool  # the model's own selection bias (DeepSeek-V3's), not one Cuboid added
-    counts: Tensor | None = None
 
 
 def find_routers(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
@@ -166,6 +165,7 @@ class ExpertBias:
     def __init__(self, rate: float | None = None) -> None:
         self.rate = check_rate(rate)
         self.routers: list[Router] = []
+        self.counts: list[Tensor | None] = []  # per router: this step's (token, expert) pairs per expert
         self.groups: list[Any] = []
         self.imbalance: Tensor | None = None
         self._hooked = False
@@ -193,12 +193,13 @@ class ExpertBias:
         if not self.enabled:
             return
         self.groups = [group for _, group in every if dist.get_world_size(group) > 1]
-        self.routers = []
+        self.routers, self.counts = [], []
         for block_name, block in blocks:
             for name, module, own in find_routers(block, prefix=f"{block_name}."):
-                self.routers.append(self._install(name, module, own, device))
+                self.routers.append(self._install(name, module, own, device, len(self.routers)))
+                self.counts.append(None)
 
-    def _install(self, name: str, module: nn.Module, own: bool, device: torch.device) -> Router:
+    def _install(self, name: str, module: nn.Module, own: bool, device: torch.device, i: int) -> Router:
         n = module.weight.shape[0]
         if own:
             bias = next(b for b in module.buffers(recurse=False) if b.dim() == 1 and b.shape[0] == n)
@@ -209,10 +210,10 @@ class ExpertBias:
                 module.forward = _biased_forward(module, module.forward)
             bias = getattr(module, BUFFER)
         router = Router(name, module, bias, own)
-        module.register_forward_hook(self._counter(router))
+        module.register_forward_hook(self._counter(router, i))
         return router
 
-    def _counter(self, router: Router) -> Any:
+    def _counter(self, router: Router, i: int) -> Any:
         def count(module: nn.Module, _args: tuple, output: Any) -> None:
             if not (module.training and compat.counted_forward()):
                 return
@@ -223,7 +224,7 @@ class ExpertBias:
                     "Cuboid cannot count the tokens each expert received. Leave expert_bias_rate unset."
                 )
             counts = pairs_per_expert(index, router.bias.shape[0], torch.float32)
-            router.counts = counts if router.counts is None else router.counts + counts
+            self.counts[i] = counts if self.counts[i] is None else self.counts[i] + counts
 
         return count
 
@@ -244,13 +245,13 @@ class ExpertBias:
     @torch.no_grad()
     def update(self) -> None:
         """The rule of the module docstring on this step's counts, summed over the groups, then the counts reset."""
-        if not self.routers or all(r.counts is None for r in self.routers):
+        if not self.routers or all(c is None for c in self.counts):
             return
         device = self.routers[0].bias.device
         stacked = torch.stack(
             [
-                r.counts.to(device) if r.counts is not None else torch.zeros_like(r.bias, dtype=torch.float32)
-                for r in self.routers
+                c.to(device) if c is not None else torch.zeros_like(r.bias, dtype=torch.float32)
+                for r, c in zip(self.routers, self.counts, strict=True)
             ]
         )
         for group in self.groups:
@@ -260,5 +261,5 @@ class ExpertBias:
         delta = delta - delta.mean(dim=1, keepdim=True)
         for router, change in zip(self.routers, delta, strict=True):
             router.bias.add_(change.to(router.bias.dtype))
-            router.counts = None
+        self.counts = [None] * len(self.routers)
         self.imbalance = stacked.max(dim=1).values / mean.squeeze(1).clamp(min=1e-12)

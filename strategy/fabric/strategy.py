@@ -47,7 +47,7 @@ from cuboid.parallel import (
     without_loss_parallel,
 )
 from cuboid.pipeline import PipelineError
-from cuboid.step import DeferMode, check_tp_gradients, clip_grad_norm_
+from cuboid.step import DeferMode, check_tp_gradients, clip_grad_norm_, whole_matrix_steps
 from cuboid.storage import to_path
 
 
@@ -261,7 +261,8 @@ class CuboidStrategy(MeshCollectives, ParallelStrategy):
             tp = self.device_mesh["tp"]
             if tp.size() > 1:
                 check_tp_gradients(self._module.named_parameters(), tp.get_group(), self.root_device)
-        return super().optimizer_step(optimizer, **kwargs)
+        with whole_matrix_steps():  # torch's Muon orthogonalizes whole matrices (cuboid.step.muon)
+            return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def clip_gradients_norm(

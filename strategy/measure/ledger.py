@@ -29,6 +29,7 @@ import lightning as L
 
 from cuboid import compat
 from cuboid.parallel import dim_groups
+from cuboid.step import muon_groups
 
 DTYPE_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}  # fmt: skip
@@ -36,23 +37,23 @@ DTYPE_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "In
 
 def kind_of(profiling_name: str) -> str:
     """A backend's op name (``gloo:all_gather``, ``nccl:_reduce_scatter_base``, ...) -> one of all_gather,
-    reduce_scatter, all_reduce, all_to_all, send_recv, broadcast, other."""
+    reduce_scatter, all_reduce, all_to_all, gather, scatter, send_recv, broadcast, other."""
     name = profiling_name.split(":")[-1].lower().replace("_", "")
     for key, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                      ("alltoall", "all_to_all"), ("send", "send_recv"), ("recv", "send_recv"),
-                      ("broadcast", "broadcast")):  # fmt: skip
+                      ("alltoall", "all_to_all"), ("gather", "gather"), ("scatter", "scatter"), ("send", "send_recv"),
+                      ("recv", "send_recv"), ("broadcast", "broadcast")):  # fmt: skip
         if key in name:
             return kind
     return "other"
 
 
 def entry_bytes(entry: dict[str, Any], kind: str, group_size: int) -> int:
-    """Full-tensor bytes: an all-gather's input times the group's size (gloo records its output as the input's
-    shape), any other collective's input."""
+    """Full-tensor bytes: an all-gather's, a gather's and a scatter's input times the group's size (one rank's
+    piece; gloo records an all-gather's output as the input's shape), any other collective's input."""
     total = 0
     for size, dtype in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False):
         total += math.prod(size) * DTYPE_BYTES.get(dtype, 4)
-    return total * group_size if kind == "all_gather" else total
+    return total * group_size if kind in ("all_gather", "gather", "scatter") else total
 
 
 def _mesh_groups(mesh: Any, experts: Any = None) -> dict[str, tuple[str, int]]:
@@ -174,7 +175,7 @@ class CommLedger(L.Callback):
             return
         entries = entries_after(compat.flight_recorder_entries(), self._last)
         self._last = {**self._last, **newest_records(entries)}
-        step = _tally(entries, self._groups)
+        step = _tally(entries, {**self._groups, **muon_groups()})  # (Muon's groups are made at its first step)
         if self._p2p is not None:  # gloo's send/recv, counted by the dispatch mode
             step.setdefault("pp", {})["send_recv"] = [self._p2p.count, self._p2p.bytes]
             self._p2p.count = self._p2p.bytes = 0

@@ -80,9 +80,12 @@ def _zero_loss(output: Any) -> torch.Tensor:
     """0 times the sum of the output's floating tensors: a loss on the output's graph (every input gets a
     gradient's metadata) that touches no user code."""
     parts = []
-    apply_to_collection(
-        output, torch.Tensor, lambda t: parts.append(t.float().sum()) if t.is_floating_point() else None
-    )
+
+    def add(t: torch.Tensor) -> None:
+        if t.is_floating_point():  # a DTensor (loss parallel's logits) by its local shard: beside a plain tensor
+            parts.append((t.to_local() if isinstance(t, DTensor) else t).float().sum())  # (the aux loss), mixing
+
+    apply_to_collection(output, torch.Tensor, add)
     return torch.stack(parts).sum() * 0.0
 
 

@@ -50,6 +50,7 @@ class LossParallel:
 
     def __init__(self) -> None:
         self.enabled = False
+        self.inside = False  # within step(): a backward there (manual optimization's) is already under the context
 
     @contextmanager
     def step(self, lm: Any, log: bool = True) -> Generator[None, None, None]:
@@ -81,16 +82,21 @@ class LossParallel:
             return loss.clone() if loss._base is not None else loss
 
         F.cross_entropy = cross_entropy  # looked up at call time by F users, nn.CrossEntropyLoss and transformers
+        self.inside = True
         try:
             with loss_parallel():
                 yield
         finally:
+            self.inside = False
             F.cross_entropy = original
             if log:
                 del lm.__dict__["log"], lm.__dict__["log_dict"]
 
     def backward(self) -> AbstractContextManager[None]:
-        return loss_parallel() if self.enabled else nullcontext()
+        """The backward's context: ``loss_parallel()``, unless the step's is still open (manual optimization's
+        ``manual_backward`` inside ``training_step``: torch's context does not nest, its exit dropped its handlers
+        twice, a KeyError)."""
+        return loss_parallel() if self.enabled and not self.inside else nullcontext()
 
 
 __all__ = ["LossParallel", "plain", "plain_output"]

@@ -67,6 +67,9 @@ RUNS: dict[str, tuple[int, dict]] = {
                                           "strategy": {**EP2, "activation_checkpointing": "selective"}}),
     "cuboid_moe-pp2xep2-ac_full": (4, {"model": "cuboid_moe", "strategy": {**EP2, "pipeline_parallel": 2,
                                                                            "activation_checkpointing": "full"}}),
+    # pp x tp: the last stage's shape inference sums loss parallel's sharded logits beside the plain aux loss (a
+    # mixed DTensor and Tensor in its backward before the zero loss took the logits' local shard)
+    "cuboid_moe-pp2xtp2": (4, {"model": "cuboid_moe", "strategy": {"pipeline_parallel": 2, "tensor_parallel": 2}}),
     # balancing without an auxiliary loss (expert_bias_rate): each router's bias, moved after every optimizer step
     # from the tokens its experts got over the step's ranks, equals one process's (parity_lib.ReferenceBias); under
     # pp the schedule's shape inference counts nothing, nor does a checkpointed block's recompute

@@ -92,6 +92,41 @@ RUNS["pp2xdp2xtp2-Interleaved1F1B-accum2-ac_selective"] = Run(
 )
 
 
+# Cuboid's own MoE balanced by the experts' bias (expert_bias_rate) on every dimension but cp at once: pp2 x dp2 (ep2)
+# x tp2 on 8 ranks, 2 batches of 4 micro-batches per optimizer step: each micro-batch counted once in the step's
+# update (parity_lib.ReferenceBias on the same 8 pieces). Its clip (1.0) cuts the reference's second and third steps.
+MOE_BIAS_8 = {
+    "name": "cuboid_moe-bias-pp2xep2xtp2-accum2",
+    "model": "cuboid_moe",
+    "strategy": {**PP, "tensor_parallel": 2, "expert_parallel": 2, "expert_bias_rate": 1e-2},
+    "accumulate": 2,
+    "max_steps": 3,
+    "clip": 1.0,
+}
+
+
+# Muon across shards (cuboid.optim.Muon, its Newton-Schulz in fp32, for the blocks' matrices; AdamW for the rest;
+# manual optimization, two optimizer steps a batch): 6 batches against parity_lib.muon_reference_run. dp2 sharded,
+# tp2, dp2 x tp2 (matrices sharded over both dims: FSDP2's strided rows and tp's columns or rows).
+MUON_SPECS = {
+    2: [
+        {"name": "muon-dp2", "optimizer": "muon", "strategy": {"data_parallel_shard": "auto"}, "ledger": "per_step"},
+        {"name": "muon-tp2", "optimizer": "muon", "strategy": {"tensor_parallel": 2}},
+        # every parameter given to Muon: torch refuses the norms' 1-D weights; Cuboid names them
+        {
+            "name": "err-muon-on-norms",
+            "optimizer": "muon_everything",
+            "strategy": {"data_parallel_shard": "auto"},
+            "expect_error": True,
+        },
+    ],
+    4: [{"name": "muon-dp2xtp2", "optimizer": "muon", "strategy": {"tensor_parallel": 2}, "ledger": "per_step"}],
+}
+for _specs in MUON_SPECS.values():
+    for _spec in _specs:
+        _spec.update(max_steps=12, clip=None)  # 12 optimizer steps: 6 batches; the reference does not clip
+
+
 # Pipelined runs that must stop before the first step, with a message that says what to change.
 PIPELINE_ERRORS = [
     # 92 samples in batches of 8: the last batch holds 4, which 8 microbatches cannot split.
@@ -156,6 +191,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SpecRuns:
             specs += PIPELINE_ERRORS
         if world == 4:
             specs += list(LOCAL_INIT.values())
+        if world == 8:
+            specs.append(MOE_BIAS_8)
+        specs += MUON_SPECS.get(world, [])
         runs.launch(world, WORKERS / "parity_worker.py", specs)
     return runs
 
@@ -399,3 +437,70 @@ def test_hsdp_accumulation_all_reduces_across_replicas_once_per_optimizer_step(r
     print(f"HSDP 2 x 2, accumulate 4: {count} all-reduces across replicas per step ({count_before} at every batch)")
     diff = max(abs(a - b) for a, b in zip(deferred["losses"], every["losses"], strict=True))
     assert diff <= LOSS_RTOL * max(abs(b) for b in every["losses"]), diff
+
+
+@pytest.mark.slow
+def test_the_experts_bias_on_pp_ep_tp_with_accumulation_equals_one_process(results) -> None:
+    """``expert_bias_rate`` at pp2 x dp2 (ep2) x tp2, two batches per optimizer step: the losses, the weights and
+    every router's bias (each stage's) equal one process that counts every micro-batch of the step once."""
+    from parity_lib import MOE_CFG, PARAM_ATOL, parity_errors
+
+    spec = MOE_BIAS_8
+    ref = reference_run(accumulate=2, clip=spec["clip"], steps=6, cfg=MOE_CFG, microbatches=4, expert_bias=1e-2)
+    clipped = [n > spec["clip"] for n in ref.grad_norms]
+    assert any(clipped) and not all(clipped), ref.grad_norms
+    got = results[spec["name"]]
+    rel, err = parity_errors(got, ref)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (rel, err)
+    assert sorted(got["biases"]) == sorted(ref.biases) and any(b.abs().max() > 0 for b in ref.biases.values())
+    worst = max((got["biases"][k] - v).abs().max().item() for k, v in ref.biases.items())
+    assert worst <= PARAM_ATOL, worst
+
+
+MUON_RUNS = [s["name"] for specs in MUON_SPECS.values() for s in specs if not s.get("expect_error")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MUON_RUNS)
+def test_muon_across_shards_equals_one_process(name: str, results) -> None:
+    """``cuboid.optim.Muon`` (fp32 Newton-Schulz) on matrices sharded by FSDP2, tensor parallel or both: every
+    step's loss and the final weights equal one process's, whose Muon is written out (parity_lib)."""
+    from parity_lib import PARAM_ATOL, muon_reference_run, parity_errors
+
+    rel, err = parity_errors(results[name], muon_reference_run(6))
+    PARITY_TABLE[name] = (rel, err)
+    assert rel <= LOSS_RTOL and err <= PARAM_ATOL, (name, rel, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dim"), [("muon-dp2", "dp_shard"), ("muon-dp2xtp2", "muon_dp_shard_tp")])
+def test_muon_moves_each_sharded_matrix_with_one_gather_and_one_scatter(name: str, dim: str, results) -> None:
+    """The communication ledger of every step after the first (which also learns where each rank's elements sit):
+    one gather and one scatter per sharded matrix Muon steps, each of ``n x P x 4`` bytes (``n`` ranks of the
+    matrix's mesh, ``P`` its largest shard's elements, fp32), on the mesh the matrices are sharded over."""
+    from parity_lib import initial_model, muon_names
+
+    matrices = [f"model.{n}" for n in muon_names(initial_model())]
+    got = results[name]
+    placements = [facts["placements"] for facts in got["ranks"]]
+    ranks = len(placements)
+    expected = 0
+    for n in matrices:
+        dims, _, _, _ = placements[0][n]
+        assert len(dims) == (2 if dim.startswith("muon") else 1), (n, dims)  # sharded over every dim of its mesh
+        expected += ranks * max(math.prod(p[n][2]) for p in placements) * 4
+    for facts in got["ranks"]:
+        tables = facts["ledger_tables"]
+        assert len(tables) == 6
+        for table in tables[1:]:
+            assert table[dim]["gather"] == [len(matrices), expected], (facts["rank"], table[dim])
+            assert table[dim]["scatter"] == [len(matrices), expected], (facts["rank"], table[dim])
+
+
+@pytest.mark.slow
+def test_muon_on_a_parameter_that_is_not_a_matrix_is_refused_by_name(results) -> None:
+    """Every parameter handed to torch's Muon: torch refuses a 1-D one by its size alone; setup's refusal names the
+    parameters of that size and what to give Muon instead."""
+    error = results["err-muon-on-norms"]["error"]
+    assert error is not None and error.startswith("MuonError: Muon steps matrices only"), error
+    assert "model.layers.0.attention_norm.weight" in error and "AdamW" in error, error

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import third_party  # noqa: E402
-from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, TokenDataset, each_spec  # noqa: E402
+from parity_lib import CLIP, GLOBAL_BATCH, MOE_CFG, SEED, SEQ, LlamaModule, MuonModule, TokenDataset, each_spec  # noqa: E402
 
 from cuboid import CuboidStrategy  # noqa: E402
 from cuboid.compat import CudaContracts  # noqa: E402
@@ -304,6 +304,8 @@ def run(spec: dict, out_dir: Path) -> None:
         module = kinds.get(spec.get("module", ""), LlamaModule)(meta_init=spec.get("meta_init", False))
         if family == "cuboid_moe":  # Cuboid's own MoE (parity_lib.MOE_CFG)
             module = LlamaModule(meta_init=spec.get("meta_init", False), cfg=MOE_CFG)
+        if spec.get("optimizer") in ("muon", "muon_everything"):  # cuboid.optim.Muon for the blocks' matrices
+            module = MuonModule(meta_init=spec.get("meta_init", False), everything=spec["optimizer"] != "muon")
         dataset = TokenDataset(n=spec.get("samples", 96), seq=spec.get("seq", SEQ))
         clip = CLIP[spec.get("accumulate", 1)]
     clip = spec.get("clip", clip)  # a run's own max norm (e.g. longer sequences, whose gradient norms differ)
