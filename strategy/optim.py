@@ -10,6 +10,6 @@ Under ``CuboidStrategy`` (both doors), torch's own ``torch.optim.Muon`` orthogon
 ``docs/performance.md`` has the cost beside AdamW; ``cuboid.step.muon`` the details.
 """
 
-from cuboid.step.muon import Muon, MuonError, newton_schulz, whole_matrices
+from cuboid.step import Muon, MuonError, newton_schulz, whole_matrices
 
 __all__ = ["Muon", "MuonError", "newton_schulz", "whole_matrices"]

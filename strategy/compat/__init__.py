@@ -2,7 +2,8 @@
 
 Every private name of lightning, torch, torchmetrics and transformers that Cuboid relies on is imported
 or touched here (this package: torch.distributed's in ``compat/distributed.py``, the attention kernels that return
-their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks and Lightning's worker seeding in ``compat/data.py``, fake tensors in ``tracing.py``, all
+their log-sum-exp in ``compat/attention.py``, litdata's ``StreamingDataset`` ranks and Lightning's worker seeding in ``compat/data.py``, fake tensors in ``tracing.py``,
+which forward runs and torch's Muon iteration in ``steps.py``, all
 re-exported below), and nowhere else, each with what it is for and why no public API serves. Checked on:
 lightning 2.5.0 and 2.6.6, torch 2.13.0, torchmetrics 1.4.0 and 1.9.0, transformers 5.24.0.
 ``tests/test_compat.py`` pins the behaviour each one is used for (and runs in CI's floor-version job
@@ -377,6 +378,11 @@ from cuboid.compat.distributed import (  # noqa: E402, F401  (the torch.distribu
 )
 from cuboid.compat.fsdp import MIXED_TENSORS, drop_hooks, fsdp_units, hook_keys, unshard_for_good  # noqa: E402, F401
 from cuboid.compat.hf import saved_names  # noqa: E402, F401  (transformers' saved names of a model's own)
-from cuboid.compat.optim import muon_newton_schulz, unhooked_step  # noqa: E402, F401  (torch's Muon, whole matrices)
-from cuboid.compat.passes import counted_forward, in_backward, watch_metadata_inference  # noqa: E402, F401
+from cuboid.compat.steps import (  # noqa: E402, F401  (which forward runs; torch's Muon iteration)
+    counted_forward,
+    in_backward,
+    muon_newton_schulz,
+    unhooked_step,
+    watch_metadata_inference,
+)
 from cuboid.compat.tracing import LiveBytes, RealData, StepMemory, fake_mode, track_memory  # noqa: E402, F401
