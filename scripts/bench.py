@@ -11,6 +11,7 @@
     python scripts/bench.py --suite replicas        # fault-tolerant replica groups against HSDP, tokens/s
     python scripts/bench.py --suite ddp             # a DDP project's time per step: DDP, Cuboid's default, FSDP2
     python scripts/bench.py --suite balance         # an MoE's load imbalance: the load-balancing loss vs the bias
+    python scripts/bench.py --suite muon            # Muon across shards beside AdamW: ms per step, bytes moved
     python scripts/bench.py --suite NAME --help     # a suite's own options
 
 The suites live in ``scripts/bench/`` (one module each, the shared launcher in ``scripts/bench/launch.py``);
@@ -23,7 +24,7 @@ import importlib
 import sys
 from pathlib import Path
 
-SUITES = ("fsdp_tp", "pipeline", "checkpoint", "overhead", "comm", "memory", "resume", "replicas", "ddp", "balance")
+SUITES = ("fsdp_tp", "pipeline", "checkpoint", "overhead", "comm", "memory", "resume", "replicas", "ddp", "balance", "muon")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ from cuboid.checkpoint.format import CheckpointError, check_loadable
 from cuboid.context.attention import check_attention
 from cuboid.context.hf import use_cp_attention
 from cuboid.dropin import AveragingError, FreedWeightsError
-from cuboid.experts import expert_block
+from cuboid.experts import ExpertBias, expert_block
 from cuboid.fabric import CuboidStrategy as FabricStrategy
 from cuboid.fabric.checkpoints import split_state
 from cuboid.fabric.optimizers import check_optimizer
@@ -33,6 +33,7 @@ from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
 from cuboid.replicas import FaultTolerance, ReplicaGroups
+from cuboid.step import MuonError, refuse_muon_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 ERRORS_PAGE = ROOT / "docs" / "errors.md"  # the guide's common-errors page
@@ -175,6 +176,14 @@ def _decoder_that_lengthens_its_sequence_in_forward() -> None:
 
     lm = Module()
     find_pipeline_split(lm, find_blocks(lm))
+
+
+def _muon_on_a_norm() -> None:
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4))
+    try:
+        torch.optim.Muon(model.parameters())
+    except ValueError as error:
+        raise refuse_muon_shapes(error, model.named_parameters()) from error
 
 
 def _load_balancing_loss_under_pipeline_parallel() -> None:
@@ -716,6 +725,21 @@ CASES.update(
             lambda: CuboidStrategy(load_balancing="sometimes"),
             ValueError,
             r"load_balancing='sometimes'; choose 'global' .* or 'local'",
+        ),
+        "an expert_bias_rate that is not a positive number": (
+            lambda: CuboidStrategy(expert_bias_rate=0),
+            ValueError,
+            r"expert_bias_rate=0: give the step by which each expert's bias moves .* or leave it unset",
+        ),
+        "the experts' bias on a dense model": (
+            lambda: ExpertBias(1e-3).check(Llama(LlamaConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2))),
+            ValueError,
+            r"expert_bias_rate=0.001 but Llama has no mixture-of-experts block Cuboid recognises.* dense model",
+        ),
+        "Muon handed a parameter that is not a matrix": (
+            _muon_on_a_norm,
+            MuonError,
+            r"Muon steps matrices only, and configure_optimizers handed it 1.weight, 1.bias .* to AdamW",
         ),
         "an expert_parallel that does not divide the experts": (
             lambda: expert_block(6, 4, 0),

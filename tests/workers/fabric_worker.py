@@ -68,8 +68,11 @@ def run(spec: dict, out_dir: Path) -> None:
         for micro, part in enumerate(tokens.chunk(accumulate)):
             input_ids, targets = part[:, :-1], part[:, 1:]
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
-                logits = model(input_ids).logits
-                part_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) / accumulate
+                if spec.get("own_loss"):  # the model's own shifted loss, as a transformers user writes it
+                    part_loss = model(input_ids=part, labels=part).loss / accumulate
+                else:
+                    logits = model(input_ids).logits
+                    part_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) / accumulate
                 fabric.backward(part_loss)
             loss = loss + part_loss.detach()
         fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])
@@ -91,9 +94,11 @@ def run(spec: dict, out_dir: Path) -> None:
     placements = {
         n: [str(pl) for pl in p.placements] for n, p in model.module.named_parameters() if isinstance(p, DTensor)
     }
+    biases = {f"model.{n}": b.detach().cpu().clone() for n, b in model.module.named_buffers()
+              if n.endswith(("expert_bias", "e_score_correction_bias"))}  # expert_bias_rate's  # fmt: skip
     if fabric.global_rank == 0:
         torch.save(
-            {"losses": losses, "params": full, "seen": seen, "optimized": optimized, "placements": placements,
+            {"losses": losses, "params": full, "biases": biases, "seen": seen, "optimized": optimized, "placements": placements,
              "layout": fabric.strategy.layout.describe(), "start": start,
              "classes": [type(fabric).__module__, type(fabric.strategy).__module__],
              "trainable": sorted(n for n, p in model.module.named_parameters() if p.requires_grad)},
