@@ -24,7 +24,19 @@ import importlib
 import sys
 from pathlib import Path
 
-SUITES = ("fsdp_tp", "pipeline", "checkpoint", "overhead", "comm", "memory", "resume", "replicas", "ddp", "balance", "muon")
+SUITES = (
+    "fsdp_tp",
+    "pipeline",
+    "checkpoint",
+    "overhead",
+    "comm",
+    "memory",
+    "resume",
+    "replicas",
+    "ddp",
+    "balance",
+    "muon",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
