@@ -220,7 +220,10 @@ class MeshCollectives:
         self.load_balancing.setup(
             module, blocks, *self.token_groups(), whole_step, self.context.step_padding, root=root
         )
-        self.expert_bias.setup(blocks, self.token_groups()[0], self.root_device)
+        present = {id(m) for m in module.modules()}  # under pp: this rank's stages' blocks (the others are gone)
+        self.expert_bias.setup(
+            [(n, b) for n, b in blocks if id(b) in present], self.token_groups()[0], self.root_device
+        )
 
     def describe_build(self, blocks: list[tuple[str, nn.Module]], matched: dict[str, Any], more: str = "") -> None:
         rank_zero_info(

@@ -175,7 +175,7 @@ class CommLedger(L.Callback):
             return
         entries = entries_after(compat.flight_recorder_entries(), self._last)
         self._last = {**self._last, **newest_records(entries)}
-        step = _tally(entries, {**self._groups, **muon_groups()})  # (Muon's groups are made at its first step)
+        step = _tally(entries, {**muon_groups(), **self._groups})  # (Muon's groups are made at its first step)
         if self._p2p is not None:  # gloo's send/recv, counted by the dispatch mode
             step.setdefault("pp", {})["send_recv"] = [self._p2p.count, self._p2p.bytes]
             self._p2p.count = self._p2p.bytes = 0

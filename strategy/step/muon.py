@@ -9,8 +9,9 @@ handed FSDP2's shards it runs the iteration through DTensor's implicit redistrib
 Under Cuboid (every optimizer step either door runs) torch's Newton-Schulz function is answered by
 :func:`whole_matrices` of it: for a matrix sharded over a mesh,
 
-- the matrices are dealt over the mesh's ranks in turn (the owner of the ``i``-th matrix a step orthogonalizes on
-  that mesh is its ``i mod n``-th rank, so ``n`` matrices keep ``n`` ranks busy once each);
+- the matrices are dealt over the ranks it is split over in turn (the owner of the ``i``-th matrix a step
+  orthogonalizes on those ranks is their ``i mod n``-th; a dim it is replicated over, HSDP's replicas, is left
+  out: each replica set orthogonalizes its own copy, with no traffic across replicas);
 - **one gather** brings every rank's shard (its local values, padded to the largest shard) to the owner, which puts
   them where they sit in the whole matrix and runs the function there, once;
 - **one scatter** sends each rank its shard of the result, in the parameter's dtype (a bfloat16 result, as torch's
@@ -83,29 +84,56 @@ class _Dealer:
     each owner holds per layout (all deterministic: every rank of a mesh makes the same calls in the same order)."""
 
     def __init__(self) -> None:
+        self.world: Any = None  # the default group the state below belongs to (a later run's starts afresh)
         self.groups: dict[tuple[int, ...], Any] = {}
+        self.used: dict[
+            str, tuple[str, int]
+        ] = {}  # every group gathered over: name -> (what the ledger calls it, size)
         self.turns: dict[tuple[int, ...], int] = {}
         self.widths: dict[tuple, int] = {}  # layout -> the largest shard's elements
         self.indices: dict[tuple, list[Tensor]] = {}  # (layout, owner) -> each member's element indices (owner only)
         self.known: set[tuple] = set()  # (layout, owner) whose indices the owner has
 
-    def group(self, x: DTensor, ranks: tuple[int, ...]) -> Any:
-        mesh = x.device_mesh
+    def fresh(self) -> _Dealer:
+        """This state, emptied if the process group it was made under is gone (a fit after another: the old groups'
+        names are handed out again)."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if world is not self.world:
+            self.__init__()
+            self.world = world
+        return self
+
+    def group(self, mesh: Any, ranks: tuple[int, ...]) -> Any:
+        names = mesh.mesh_dim_names or ("mesh",)
         if mesh.ndim == 1:
-            return mesh.get_group()
-        if ranks not in self.groups:  # the mesh's ranks as one group, made by those ranks alone
-            name = "muon_" + "_".join(mesh.mesh_dim_names or ("mesh",))
-            self.groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True, group_desc=name)
-        return self.groups[ranks]
+            group, label = mesh.get_group(), names[0]
+        else:
+            if ranks not in self.groups:  # the mesh's ranks as one group, made by those ranks alone
+                desc = "muon_" + "_".join(names)
+                self.groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True, group_desc=desc)
+            group, label = self.groups[ranks], "muon_" + "_".join(names)
+        self.used[group.group_name] = (label, group.size())
+        return group
 
 
 _DEALER = _Dealer()
 
 
 def muon_groups() -> dict[str, tuple[str, int]]:
-    """The groups :func:`whole_matrices` made over meshes of more than one dimension: name -> (its description,
-    ``muon_<dims>``, and size), for the communication ledger."""
-    return {g.group_name: (g.group_desc, g.size()) for g in _DEALER.groups.values()}
+    """The groups :func:`whole_matrices` gathered over: name -> (the mesh dim's name, or ``muon_<dims>`` for the group
+    it made over several, and size), for the communication ledger (a parameter's mesh may hold its own group for a
+    dim the run's mesh names too)."""
+    return dict(_DEALER.fresh().used)
+
+
+def _sharded_mesh(mesh: Any, placements: tuple) -> Any:
+    """The dims of ``mesh`` the matrix is split over (a replicated dim's ranks hold the same shard: HSDP's replicas
+    gather among themselves alone); the whole mesh where its dims have no names."""
+    names = mesh.mesh_dim_names
+    split = [i for i, p in enumerate(placements) if not p.is_replicate()]
+    if names is None or len(split) == mesh.ndim:
+        return mesh
+    return mesh[tuple(names[i] for i in split)]
 
 
 def _element_indices(x: DTensor) -> Tensor:
@@ -145,9 +173,11 @@ def _on_whole(fn: Callable[..., Tensor], x: DTensor, *args: Any, **kwargs: Any) 
             f"Muon was handed a matrix of shape {tuple(x.shape)} with partial placements {placements} (a sum not "
             "yet reduced): Cuboid orthogonalizes whole matrices only. Step this parameter with another optimizer."
         )
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    _DEALER.fresh()
+    sharded = _sharded_mesh(mesh, placements)  # HSDP's replicas each orthogonalize their own copy, no traffic across
+    ranks = tuple(int(r) for r in sharded.mesh.flatten().tolist())
     members = sorted(ranks)
-    group = _DEALER.group(x, ranks)
+    group = _DEALER.group(sharded, ranks)
     turn = _DEALER.turns.get(ranks, 0)
     _DEALER.turns[ranks] = turn + 1
     owner = members[turn % len(members)]

@@ -120,7 +120,11 @@ MUON_SPECS = {
             "expect_error": True,
         },
     ],
-    4: [{"name": "muon-dp2xtp2", "optimizer": "muon", "strategy": {"tensor_parallel": 2}, "ledger": "per_step"}],
+    4: [
+        {"name": "muon-dp2xtp2", "optimizer": "muon", "strategy": {"tensor_parallel": 2}, "ledger": "per_step"},
+        # HSDP: each replica pair gathers among its own 2 ranks (nothing crosses the replicas)
+        {"name": "muon-hsdp2x2", "optimizer": "muon", "strategy": {"data_parallel_replicate": 2}, "ledger": "per_step"},
+    ],
 }
 for _specs in MUON_SPECS.values():
     for _spec in _specs:
@@ -473,28 +477,29 @@ def test_muon_across_shards_equals_one_process(name: str, results) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "dim"), [("muon-dp2", "dp_shard"), ("muon-dp2xtp2", "muon_dp_shard_tp")])
-def test_muon_moves_each_sharded_matrix_with_one_gather_and_one_scatter(name: str, dim: str, results) -> None:
+@pytest.mark.parametrize(
+    ("name", "dim", "ranks"),
+    [("muon-dp2", "dp_shard", 2), ("muon-dp2xtp2", "muon_dp_shard_tp", 4), ("muon-hsdp2x2", "dp_shard", 2)],
+)
+def test_muon_moves_each_sharded_matrix_with_one_gather_and_one_scatter(name: str, dim: str, ranks: int, results):
     """The communication ledger of every step after the first (which also learns where each rank's elements sit):
-    one gather and one scatter per sharded matrix Muon steps, each of ``n x P x 4`` bytes (``n`` ranks of the
-    matrix's mesh, ``P`` its largest shard's elements, fp32), on the mesh the matrices are sharded over."""
+    one gather and one scatter per sharded matrix Muon steps, each of ``n x P x 4`` bytes (``n`` the ranks the
+    matrix is split over, ``P`` its largest shard's elements, fp32), on those ranks' group alone: under HSDP the
+    replicas' dim carries none of it."""
     from parity_lib import initial_model, muon_names
 
     matrices = [f"model.{n}" for n in muon_names(initial_model())]
     got = results[name]
     placements = [facts["placements"] for facts in got["ranks"]]
-    ranks = len(placements)
-    expected = 0
-    for n in matrices:
-        dims, _, _, _ = placements[0][n]
-        assert len(dims) == (2 if dim.startswith("muon") else 1), (n, dims)  # sharded over every dim of its mesh
-        expected += ranks * max(math.prod(p[n][2]) for p in placements) * 4
+    expected = sum(ranks * max(math.prod(p[n][2]) for p in placements) * 4 for n in matrices)
     for facts in got["ranks"]:
         tables = facts["ledger_tables"]
         assert len(tables) == 6
         for table in tables[1:]:
             assert table[dim]["gather"] == [len(matrices), expected], (facts["rank"], table[dim])
             assert table[dim]["scatter"] == [len(matrices), expected], (facts["rank"], table[dim])
+            others = [d for d, kinds in table.items() if d != dim and {"gather", "scatter"} & set(kinds)]
+            assert not others, (facts["rank"], others)
 
 
 @pytest.mark.slow
