@@ -62,7 +62,6 @@ class Router:
     name: str
     module: nn.Module
     bias: Tensor
-    own: bool  # the model's own selection bias (DeepSeek-V3's), not one Cuboid added
 
 
 def find_routers(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
@@ -149,7 +148,7 @@ def _biased_forward(router: nn.Module, forward: Any) -> Any:
     return MethodType(forward_with_bias, router)
 
 
-def _chosen(output: Any, n: int) -> Tensor | None:
+def _chosen(output: Any) -> Tensor | None:
     """The (tokens, k) expert ids a router returned: the last integer tensor of its output."""
     items = output if isinstance(output, tuple | list) else (output,)
     for item in reversed(items):
@@ -168,7 +167,8 @@ class ExpertBias:
         self.counts: list[Tensor | None] = []  # per router: this step's (token, expert) pairs per expert
         self.groups: list[Any] = []
         self.imbalance: Tensor | None = None
-        self._hooked = False
+        self._hook: Any = None  # the post-hook on the routers' optimizer (a later fit's optimizers get their own)
+        self._counting: list[Any] = []  # the routers' counting hooks (a later setup's replace them)
 
     @property
     def enabled(self) -> bool:
@@ -193,6 +193,10 @@ class ExpertBias:
         if not self.enabled:
             return
         self.groups = [group for _, group in every if dist.get_world_size(group) > 1]
+        for handle in [self._hook, *self._counting]:  # an earlier fit's optimizer and routers
+            if handle is not None:
+                handle.remove()
+        self._hook, self._counting = None, []
         self.routers, self.counts = [], []
         for block_name, block in blocks:
             for name, module, own in find_routers(block, prefix=f"{block_name}."):
@@ -209,15 +213,15 @@ class ExpertBias:
                 module.register_buffer(BUFFER, torch.zeros(n, dtype=torch.float32, device=device), persistent=True)
                 module.forward = _biased_forward(module, module.forward)
             bias = getattr(module, BUFFER)
-        router = Router(name, module, bias, own)
-        module.register_forward_hook(self._counter(router, i))
+        router = Router(name, module, bias)
+        self._counting.append(module.register_forward_hook(self._counter(router, i)))
         return router
 
     def _counter(self, router: Router, i: int) -> Any:
         def count(module: nn.Module, _args: tuple, output: Any) -> None:
             if not (module.training and compat.counted_forward()):
                 return
-            index = _chosen(output, router.bias.shape[0])
+            index = _chosen(output)
             if index is None:
                 raise ExpertBiasError(
                     f"expert_bias_rate: the router {router.name} returned no expert ids (an integer tensor), so "
@@ -232,15 +236,14 @@ class ExpertBias:
         """Update the bias after each step of the optimizer that steps the routers' weights (the first optimizer
         where none does: frozen routers), once."""
         optimizers = list(optimizers)
-        if not self.enabled or self._hooked or not optimizers or not self.routers:
+        if not self.enabled or self._hook is not None or not optimizers or not self.routers:
             return
         weights = {id(r.module.weight) for r in self.routers}
         holder = next(
             (o for o in optimizers if any(id(p) in weights for g in o.param_groups for p in g["params"])),
             optimizers[0],
         )
-        holder.register_step_post_hook(lambda *_: self.update())
-        self._hooked = True
+        self._hook = holder.register_step_post_hook(lambda *_: self.update())
 
     @torch.no_grad()
     def update(self) -> None:

@@ -153,6 +153,28 @@ def test_the_bias_moves_after_the_step_of_the_optimizer_that_steps_the_routers()
     assert all(r.bias.abs().sum() > 0 for r in bias.routers) and bias.counts == [None, None]
 
 
+def test_a_second_fit_moves_the_bias_after_its_own_optimizer() -> None:
+    """The same strategy's next setup (a second ``trainer.fit``) drops the hook on the earlier fit's optimizer and
+    watches the new one."""
+    model = _moe_llama()
+    bias = ExpertBias(1e-2)
+    bias.setup(_blocks(model, "layers"), [], DEVICE)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    bias.watch([first])
+    bias.setup(_blocks(model, "layers"), [], DEVICE)
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    bias.watch([second])
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    first.step()
+    assert all(r.bias.abs().sum() == 0 for r in bias.routers)
+    second.step()
+    assert all(r.bias.abs().sum() > 0 for r in bias.routers) and bias.counts == [None, None]
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens).sum().backward()  # counted once, not once per setup
+    top_k = model.layers["0"].feed_forward.router.top_k
+    assert [int(c.sum()) for c in bias.counts] == [2 * 16 * top_k] * 2
+
+
 def test_bad_input_is_refused_by_name() -> None:
     from cuboid import CuboidStrategy
 
