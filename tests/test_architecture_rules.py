@@ -62,6 +62,8 @@ ALLOWED = {
     ("dropin/kept.py", "object.__setattr__(module, name)"): "a library method of the model kept sharded after the "
     "run, wrapped on the instance to gather what it reads, as torch's register_fsdp_forward_method does; taken "
     "away at the next setup",
+    ("parallel/derived.py", "setattr(module, attr)"): "a ParallelStyle's _apply changes the module parallelize_module "
+    "hands it (torch's API): an attention module's head counts this rank's",
     ("parallel/batchnorm.py", "setattr(module, name)"): "a BatchNorm child replaced by its synchronized twin, as "
     "torch's SyncBatchNorm.convert_sync_batchnorm does",
     ("parallel/parallelize.py", "setattr(root.get_submodule(owner), attr)"): "tied weights tied again after "

@@ -25,7 +25,7 @@ MOE = ("hf_qwen3_moe", "hf_mixtral", "hf_qwen3_moe_noaux", "hf_gpt_oss")
 CLIP = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_vit": 4.0, "hf_mistral": 1.75, "hf_llama_tied": 1.75,
         "hf_qwen3_moe": 1.85, "hf_mixtral": 1.7, "hf_qwen3_moe_noaux": 1.85, "hf_llama_lora": 0.4,
         "hf_minicpm5_moe": 1.25, "hf_phi3": 1.65, "hf_gemma3": 1.9, "hf_deepseek_v3": 1.3, "hf_gpt_oss": 1.6,
-        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_granite": 0.13, "hf_gpt2": 1.5, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
+        "hf_apertus": 1.75, "hf_llava": 1.4, "hf_gemma3_vl": 1.6, "hf_mllama": 1.3, "hf_granite": 0.13, "hf_gpt2": 1.5, "hf_cohere2": 0.095, "hf_olmo3": 2.0, "hf_qwen2_window": 1.6, "hf_gemma2": 2.0}  # fmt: skip
 CLIP_PADDED = {"hf_llama": 1.75, "hf_qwen3": 1.7, "hf_mistral": 1.75, "hf_qwen3_moe": 2.0}
 
 # Apertus's own plan (transformers 5.25) and what it leaves out: its xIELU activation's parameters see only this rank's
@@ -65,6 +65,23 @@ def hf_config(family: str):
         # transposed-weight projections (Conv1D) and a fused q/k/v one, a tied head, no plan of its own in transformers
         return transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
                                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    if family == "hf_mllama":  # Llama 3.2 Vision: a tiled vision encoder (a local and a global transformer) whose
+        # states the language model's cross-attention layers (1 and 3) read; self-attention layers between them
+        vision = {"hidden_size": 32, "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 4,
+                  "intermediate_size": 64, "vision_output_dim": 96, "image_size": 28, "patch_size": 14,
+                  "max_num_tiles": 2, "intermediate_layers_indices": [0, 1],
+                  "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}  # fmt: skip
+        text = {
+            "vocab_size": 256,
+            "num_key_value_heads": 2,
+            "cross_attention_layers": [1, 3],
+            "max_position_embeddings": 64,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+            **small,
+        }
+        return transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=MLLAMA_IMAGE)
     if family == "hf_llava":  # a CLIP vision tower and a projector feeding a Llama: a composite model
         vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, image_size=16, patch_size=4)  # fmt: skip
@@ -182,6 +199,8 @@ def lora_config():
 
 # The composite family's vocabulary: the text's 256 tokens and an image token, padded to a size tp divides.
 VLM_VOCAB, IMAGE_TOKEN, PATCHES = 272, 271, 16
+# Mllama's image token: past its language model's 256 (its embedding holds 8 more rows for such tokens).
+MLLAMA_IMAGE = 256
 
 
 def build_model(family: str) -> nn.Module:
@@ -196,6 +215,14 @@ def build_model(family: str) -> nn.Module:
         return transformers.ViTForImageClassification(config)
     if family == "hf_llava":
         return transformers.LlavaForConditionalGeneration(config)
+    if family == "hf_mllama":
+        model = transformers.MllamaForConditionalGeneration(config)
+        with torch.no_grad():  # transformers starts its tanh gates at zero (a checkpoint fills them): the image
+            # states would reach no loss, the tiles' position embeddings no gradient
+            for name, param in model.named_parameters():
+                if name.endswith("gate") and param.numel() == 1:
+                    param.fill_(0.5)
+        return model
     if family == "hf_gemma3_vl":
         model = transformers.Gemma3ForConditionalGeneration(config)
         with torch.no_grad():  # transformers starts the projection at zero (a checkpoint fills it): zero image
@@ -262,6 +289,34 @@ class ImageTextDataset(TokenDataset):
         return item
 
 
+class TiledImageTextDataset(TokenDataset):
+    """Mllama's batch, as its processor makes one: a 28x28 image cut into one or two tiles (``aspect_ratio_ids``,
+    ``aspect_ratio_mask``), ``input_ids`` with two tokens before the image token (they attend to no image: their rows
+    of ``cross_attention_mask`` are zero) and the caption after it, whose first token the image's brightness
+    sets. The tokens after the image attend to its real tiles."""
+
+    def __init__(self, n: int = 96, seq: int = SEQ) -> None:
+        super().__init__(n, seq)
+        g = torch.Generator().manual_seed(19)
+        self.images = torch.randn(n, 1, 2, 3, 28, 28, generator=g)
+        self.tiles = torch.randint(1, 3, (n,), generator=g)
+        self.images[self.tiles == 1, :, 1] = 0.0
+        self.tokens[:, 2] = MLLAMA_IMAGE
+        self.tokens[:, 3] = (self.images[:, 0, 0, 0, :14].mean((1, 2)) > 0).long() * 7
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.tokens[i]
+        labels = ids.clone()
+        labels[2] = -100
+        tiles = int(self.tiles[i])
+        ratio = torch.tensor([1 if tiles == 1 else 2])
+        tile_mask = (torch.arange(2) < tiles).long().reshape(1, 2)
+        cross = torch.zeros(len(ids), 1, 2, dtype=torch.long)
+        cross[2:, 0, :tiles] = 1
+        return {"idx": torch.tensor(i), "input_ids": ids, "pixel_values": self.images[i], "aspect_ratio_ids": ratio,
+                "aspect_ratio_mask": tile_mask, "cross_attention_mask": cross, "labels": labels}  # fmt: skip
+
+
 class PaddedTokenDataset(TokenDataset):
     """Token sequences of different lengths, right-padded: ``attention_mask`` masks the padding, and ``labels`` is
     ``-100`` on the padding and on a short prompt, so samples (and microbatches) predict different numbers of
@@ -289,6 +344,8 @@ def dataset(family: str, n: int = 96, padded: bool = False, seq: int = SEQ) -> D
         return ImageDataset(n)
     if family == "hf_llava":
         return ImageTextDataset(n, seq)
+    if family == "hf_mllama":
+        return TiledImageTextDataset(n, seq)
     if family == "hf_gemma3_vl":
         return ImageTextDataset(n, seq, patches=4, token_types=True)
     return PaddedTokenDataset(n, seq) if padded else TokenDataset(n, seq)
@@ -300,6 +357,8 @@ def clip(family: str, padded: bool = False) -> float:
 
 def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """What a user's step computes: the model's own loss."""
+    if "cross_attention_mask" in batch:  # Mllama: the processor's batch as it comes, ``self.model(**batch).loss``
+        return model(**{k: v for k, v in batch.items() if k != "idx"}).loss
     if "pixel_values" in batch and "input_ids" in batch:  # images in the text: a vision-language model
         extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
         return model(

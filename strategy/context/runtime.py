@@ -40,6 +40,7 @@ from cuboid.context.attention import (
     gather_tokens,
     local_positions,
 )
+from cuboid.context.cross import cut_along_sequence
 from cuboid.context.current import KEY_PADDING, active, running
 
 _LOSSES: tuple[Callable[..., torch.Tensor], ...] = (F.cross_entropy, F.nll_loss)
@@ -64,6 +65,7 @@ class ContextParallel:
         self._attention_seen = False  # set (never read) by attention: a compiled block gets no guard on it
         self._checked = self._inside = False
         self._transformers = False  # a transformers model: the padding mask rides along as KEY_PADDING
+        self.cut_masks: set[int] = set()  # key counts of the masks cut by their rows (cuboid.context.cross)
 
     @property
     def size(self) -> int:
@@ -162,12 +164,14 @@ class ContextParallel:
                 changed[KEY_PADDING] = mask
         self._key_padding = None if self._transformers else mask
         self.padding = mask
+        self.cut_masks = set()
         for name, value in values.items():
-            if name == "labels" or not isinstance(value, torch.Tensor):
-                continue
-            if tuple(value.shape[:2]) == (batch, seq_len):
-                changed[name] = value.index_select(1, positions)
-            elif name == self.positions_keyword:  # multimodal rotary positions, (sections, batch, seq): Qwen2-VL's
+            mine = cut_along_sequence(name, value, first, batch, seq_len, positions, self.cut_masks)
+            if mine is not None:
+                changed[name] = mine
+            elif name == self.positions_keyword and isinstance(
+                value, torch.Tensor
+            ):  # multimodal rotary positions, (sections, batch, seq): Qwen2-VL's
                 if tuple(value.shape[-2:]) != (batch, seq_len):
                     raise ContextParallelError(
                         f"context_parallel={self.size} cannot split {name} of shape {tuple(value.shape)}: positions "

@@ -1,7 +1,7 @@
 """What a DDP project's model needs to switch by one line: the FSDP units ``fully_shard`` can take as they are, the
 rest gathered with the LightningModule for each step (``units``), and replication with torch's own DDP where
 sharding buys nothing (``replicate``: the default data-parallel layout follows memory); the loaders a library
-builds for DDP, checked against the layout (``loaders``); weight averaging beside a sharded model (``averaging``)."""
+builds for DDP, checked against the layout (``loaders``); weight averaging beside a sharded model (``averaging``); DDP's ``broadcast_buffers`` (``buffers``)."""
 
 from cuboid.dropin.averaging import (
     AveragingError,
@@ -10,6 +10,7 @@ from cuboid.dropin.averaging import (
     shard_alike,
     whole_weights,
 )
+from cuboid.dropin.buffers import BufferBroadcast
 from cuboid.dropin.kept import release_calls, serve_calls, whole_state_dict
 from cuboid.dropin.loaders import LoaderError, check_sampler_ranks, keep_library_batches
 from cuboid.dropin.replicate import (
@@ -25,6 +26,7 @@ from cuboid.dropin.replicated import Replicating
 from cuboid.dropin.units import STEP_METHODS, FreedWeightsError, choose_units, explain_freed_weights
 
 __all__ = [
+    "BufferBroadcast",
     "AveragingError",
     "accept_whole_state_dicts",
     "shard_alike",

@@ -2,8 +2,8 @@
 (TP -> activation checkpointing -> compile -> FSDP2) and its weights materialized. Exported: what users and the
 other wings use; the rest is read from its module (``cuboid.parallel.parallelize.apply_tp``, ...)."""
 
+from cuboid.dropin import BufferBroadcast  # (DDP's broadcast_buffers: a drop-in concern, named here too)
 from cuboid.parallel.batchnorm import DataParallelBatchNorm, sync_batchnorm
-from cuboid.parallel.buffers import BufferBroadcast
 from cuboid.parallel.build import (
     ParallelSettings,
     finish_weights,

@@ -10,6 +10,7 @@ before any work starts, and turns styles into DTensor ``ParallelStyle`` objects.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "check_tp_divisibility",
     "find_blocks",
     "find_model_plan",
+    "language_models",
     "match_plan",
     "parallel_plan",
     "resolve_plan",
@@ -190,7 +192,7 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
     if tp == 1:
         return {}
     if plan is None:
-        plan = usable_model_plan(root, find_model_plan(root))
+        plan = usable_model_plan(root, find_model_plan(root)) or _derived_plan(root)
     matched = _split_adapters(match_plan(root, plan))
     check_tp_divisibility(root, matched, tp)
     if not matched:
@@ -199,6 +201,21 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
             "tensor_parallel_plan={'model.layers.*.attn.q_proj': 'colwise', ...} or use tensor_parallel=1."
         )
     return matched
+
+
+def _derived_plan(root: nn.Module) -> dict[str, str]:
+    """For a model that carries no plan: the one its blocks' structure gives (:mod:`cuboid.parallel.derived`), said."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from cuboid.parallel.derived import derive_plan
+
+    plan = derive_plan(find_blocks(root))
+    if plan:
+        rank_zero_info(
+            f"Cuboid: {type(root).__name__} carries no tensor-parallel plan; this one is read from its blocks' "
+            f"structure (pass tensor_parallel_plan= to change it): {plan}"
+        )
+    return plan
 
 
 # A LoRA layer's styles by which of its adapter's two matrices shares the base layer's split: the one whose output
@@ -280,11 +297,13 @@ def _rope_dim(root: nn.Module | None, name: str) -> int:
 
 
 def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module]]:
-    """The repeated unit of the model: children of a ModuleList/ModuleDict that share one class.
+    """The repeated unit of the model: the children of a ModuleList/ModuleDict that its forward runs one after another.
 
     These are the units of FSDP sharding, activation checkpointing and pipeline splitting. With
-    ``container`` (e.g. ``"model.layers"``) the choice is explicit; otherwise the container with
-    the most same-class children wins (ties: the outermost). Returns ``[(name, module), ...]``.
+    ``container`` (e.g. ``"model.layers"``) the choice is explicit; otherwise, of the containers whose children
+    are blocks (:func:`_is_stack`), the one with the most children wins (ties: the outermost), looked for inside
+    a composite model's language model first (:func:`language_models`): a vision-language model's decoder layers,
+    not its vision tower's. Returns ``[(name, module), ...]``.
     """
     modules = dict(root.named_modules())
     if container is not None:
@@ -296,18 +315,59 @@ def find_blocks(root: nn.Module, container: str | None = None) -> list[tuple[str
                 f"Candidates: {candidates[:8]}."
             )
         return [(f"{container}.{k}", m) for k, m in found.named_children()]
+    stacks = [(name, module) for name, module in modules.items() if _is_stack(module)]
+    texts = tuple(f"{name}." for name in language_models(root))
+    inside = [(name, module) for name, module in stacks if name.startswith(texts)]
     best: list[tuple[str, nn.Module]] = []
-    for name, module in modules.items():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            continue
-        children = list(module.named_children())
-        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
-            continue
-        if not any(True for _ in children[0][1].parameters()):
-            continue
-        if len(children) > len(best):
-            best = [(f"{name}.{k}" if name else k, c) for k, c in children]
+    for name, module in inside or stacks:
+        if len(module) > len(best):
+            best = [(f"{name}.{k}" if name else k, c) for k, c in module.named_children()]
     return best
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ModuleList/ModuleDict of blocks: two or more children with parameters, of one class, or of several
+    classes that are each made of modules and take their input under one name (a decoder whose self-attention
+    layers and cross-attention layers alternate: Mllama's; a hybrid's attention and state-space layers)."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False
+    children = [c for _, c in module.named_children()]
+    if len(children) < 2 or not all(any(True for _ in c.parameters()) for c in children):
+        return False
+    kinds = {type(c) for c in children}
+    if len(kinds) == 1:
+        return True
+    firsts = {_first_input(kind) for kind in kinds}
+    return all(any(True for _ in c.children()) for c in children) and len(firsts) == 1 and None not in firsts
+
+
+def _first_input(kind: type) -> str | None:
+    """The name of a module class's first forward argument (``hidden_states``), None when it has none."""
+    try:
+        params = list(inspect.signature(kind.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[0].name if params and params[0].kind in positional else None
+
+
+def language_models(root: nn.Module) -> list[str]:
+    """The names of a composite model's language models in ``root``: the modules whose ``config`` is the text
+    config of a model above them (transformers' ``config.get_text_config()``, e.g. a vision-language model's
+    ``model.language_model``). Empty for a model that is not a composite."""
+    found: list[str] = []
+    texts: list[object] = []
+    for name, module in root.named_modules():
+        config = _own_attr(module, "config")
+        if config is None:
+            continue
+        if any(config is text for text in texts) and not any(name.startswith(f"{f}.") for f in found):
+            found.append(name)
+            continue
+        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+        if text is not None and text is not config:
+            texts.append(text)
+    return found
 
 
 def with_loss_parallel(

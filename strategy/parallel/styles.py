@@ -51,6 +51,7 @@ STYLES: dict[str, str] = {
     "all_reduce": "all-reduce the module's partial output",
     "local_params": "run the module with its own tp-sharded parameters as local tensors",
     "replicate": "leave the module replicated on every tp rank (nothing to do)",
+    "local_heads": "an attention module whose projections are split: its head-count attributes this rank's",
     "sequence_local": "a module whole on every tp rank on a sequence-sharded local input, gradients summed over tp",
     "local_input": "run the module on its first input as a local tensor, a DTensor input made whole first",
     "mla_kv_a_proj": "MLA's K/V down-projection: weight replicated, its output's rotary slice's gradient summed over tp",
@@ -145,6 +146,10 @@ def to_parallel_style(style: str, rope_dim: int | None = None) -> ParallelStyle 
         return _LocalInput()
     if name == "sequence_local":
         return SequenceParallel(use_local_output=True)
+    if name == "local_heads":
+        from cuboid.parallel.derived import LocalHeads
+
+        return LocalHeads()
     return None  # "replicate"
 
 
@@ -302,12 +307,9 @@ class GatheredInputColwise(ColwiseParallel):
     """``ColwiseParallel`` that first gathers an input arriving as a DTensor sharded another way (the ``Shard(1)``
     output of a sequence-parallel norm before the output projection) to ``Replicate``.
 
-    Torch's ``ColwiseParallel`` redistributes an input only when its declared ``input_layouts`` differ from
-    ``Replicate``, so a sequence-sharded DTensor reached ``F.linear`` as it was: the (batch, sequence) flatten
-    inside then all-gathered it, and backward all-reduced the input gradient, reduce-scattered it back and
-    all-gathered the input a second time for the weight gradient (seen by the communication ledger: one extra
-    all-gather and one extra reduction of ``b s h`` per micro-batch on the stage with the output). Gathered
-    here, backward reduce-scatters the input gradient once and reuses the saved gathered input."""
+    Torch's ``ColwiseParallel`` redistributes an input only when its ``input_layouts`` differ from ``Replicate``:
+    a sequence-sharded DTensor reached ``F.linear`` as it was, and backward moved ``b s h`` twice more per
+    micro-batch (the ledger saw it). Gathered here, backward reduce-scatters the input gradient once."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +55,13 @@ from cuboid.experts import (
     check_router_loss_model,
     router_loss_model,
 )
+from cuboid.pipeline.composite import carried_names, composite_args, handed_to, sent
 from cuboid.pipeline.decoder_probe import (
     DecoderSplitError,
     KeyedModuleList,
     check_stage_forward,
     stage_config,
+    stage_layer_numbers,
     stand_in,
 )
 
@@ -77,6 +79,7 @@ class DecoderShape:
     router_loss: bool = False  # the loss adds a load-balancing loss: its statistic travels with the hidden states
     text: str = ""  # the model holding the blocks ("model.language_model"); the base model when it is ""
     first_only: list[str] = field(default_factory=list)  # the call's arguments only the first stage takes (images)
+    carried: list[str] = field(default_factory=list)  # what may travel beside the hidden states (pipeline.composite)
 
 
 def _child_order(module: nn.Module, plan: dict[str, Any] | None) -> list[str]:
@@ -144,32 +147,19 @@ def find_decoder_shape(owner: nn.Module, owner_name: str, container: str) -> Dec
             )
         post += [n for n in owner_order if n != base_path and _has_params(owner._modules[n])]
     first_only: list[str] = []
+    carried: list[str] = []
     if composite is not None:  # its other parts (vision tower, projector) run on the first stage, before the text's
-        parts = list(composite._modules)
-        after = [n for n in parts[parts.index(text_attr) + 1 :] if _has_params(composite._modules[n])]
-        if after:
+        parts = [n for n in composite._modules if n != text_attr and _has_params(composite._modules[n])]
+        pre = [f"{base_path}.{n}" for n in parts] + pre
+        first_only, carried = composite_args(composite, base)
+        if carried and router_loss:
             raise DecoderSplitError(
-                f"{type(composite).__name__} has modules with parameters registered after its language model "
-                f"({after}); Cuboid runs a composite model's other parts on the first stage, before the blocks."
-            )
-        pre = [f"{base_path}.{n}" for n in parts if n != text_attr and _has_params(composite._modules[n])] + pre
-        text_args = set(inspect.signature(type(base).forward).parameters)
-        first_only = [n for n in inspect.signature(type(composite).forward).parameters if n not in text_args]
-        if callable(getattr(composite, "get_rope_index", None)):  # Qwen2-VL's family: positions from the images
-            raise DecoderSplitError(
-                f"{type(composite).__name__} computes its language model's positions itself (multimodal rotary "
-                "positions, from each image's grid), which its language model alone (a later stage) cannot rebuild. "
-                "Not supported under pipeline_parallel yet; data, tensor and context parallel take it."
-            )
-        if "token_type_ids" in first_only:  # Gemma 3, PaliGemma: a mask built from them, in every layer
-            raise DecoderSplitError(
-                f"{type(composite).__name__}.forward takes token_type_ids: its image tokens attend to each other both "
-                "ways in every layer, through a mask it builds from them, which its language model alone (a later "
-                "stage) cannot rebuild. Not supported under pipeline_parallel yet; data and tensor parallel take it."
+                f"{type(composite).__name__} hands its language model {carried} and adds a load-balancing loss: "
+                "Cuboid's stages carry one of the two. Not supported under pipeline_parallel yet."
             )
     check_stage_forward(base, attr, type(base).__name__, own_pre)
     text = text_path if composite else ""
-    return DecoderShape(base_path, container, pre, post, router_loss, text=text, first_only=first_only)
+    return DecoderShape(base_path, container, pre, post, router_loss, text, first_only, carried)
 
 
 @dataclass
@@ -181,6 +171,7 @@ class _StageInfo:
     text: str = ""  # a composite model's language model (later stages run it alone)
     first_only: tuple[str, ...] = ()
     blocks: str = ""  # the attribute of the base (or language) model holding the blocks
+    carried: tuple[str, ...] = ()  # a composite's arguments that may travel beside the hidden states
 
 
 class _FixedOutput(nn.Module):
@@ -233,18 +224,28 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
     info: _StageInfo = self.__dict__["_cuboid_stage"]
     base = self.get_submodule(info.base) if info.base else self
     text = self.get_submodule(info.text) if info.text else base  # the model holding the blocks
-    if info.text and not info.first:  # a composite model's later stage: its language model alone, no images
-        base = text
-        kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}
+    carried = carried_names(info.carried, kwargs) if info.text else []
     inputs = {"input_ids" if info.first else "inputs_embeds": x}
+    if info.text and not info.first:  # a composite's later stage: no images; the language model alone, or the
+        kwargs = {k: v for k, v in kwargs.items() if k not in info.first_only}  # composite on what was carried
+        inputs.update(zip(carried, received[: len(carried)], strict=True))
+        received = received[len(carried) :]
+        base = base if carried else text
     blocks = getattr(text, info.blocks)
-    with stage_edges(blocks, None if info.first else x, capture=not info.last) as edges:
+    check = info.first and bool(info.text)  # (each step: a few hooks on the first stage)
+    with (
+        stage_edges(blocks, None if info.first else x, capture=not info.last) as edges,
+        handed_to(text, carried, base, check) if check else nullcontext({}) as handed,
+    ):
         out = (
             type(base).forward(base, **inputs, use_cache=False, **kwargs)
             if base is self
             else base(**inputs, use_cache=False, **kwargs)
         )
     hidden = edges[0] if edges else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+    if carried and not info.last:  # the image states, on to the next stage (a middle stage's as received)
+        onward = sent(handed, carried, base) if info.first else [t.view_as(t) for t in inputs.values()][1:]
+        return (hidden, *onward)
     parts = _balance_parts(self, received, out, kwargs) if info.router_loss else None
     if not info.last or not info.base:
         return hidden if parts is None else (hidden, parts)
@@ -328,11 +329,15 @@ def build_stage(
     by_key = getattr(base, attr)._modules  # keyed as in the whole model (a ModuleList's "0", "1", ...)
     base._modules[attr] = KeyedModuleList([(k, by_key[k]) for k in keys])
     if getattr(base, "config", None) is not None:
-        base.config = stage_config(base.config, [list(all_keys).index(k) for k in keys])
+        indices = [list(all_keys).index(k) for k in keys]
+        numbers = stage_layer_numbers(base, base.config, indices)
+        base.config = stage_config(base.config, indices, numbers)
+        base.__dict__.update(numbers)
     if not first:  # the language model's own pieces stand in by shape (its forward may run them: GPT-2's positions)
         text_prefix = f"{shape.text or shape.base}." if shape.text or shape.base else ""
         for path in shape.pre:
-            if path.startswith(text_prefix) and "." not in path[len(text_prefix) :]:
+            in_composite = shape.text and shape.carried and path.count(".") == shape.base.count(".") + 1
+            if in_composite or (path.startswith(text_prefix) and "." not in path[len(text_prefix) :]):
                 parent, _, name = path.rpartition(".")
                 stand_in(stage.get_submodule(parent) if parent else stage, name, owner.get_submodule(path))
             else:
@@ -342,7 +347,7 @@ def build_stage(
             in_base = shape.base and path.startswith(f"{shape.base}.")
             _set_path(stage, path, nn.Identity() if in_base or not shape.base else None)
     stage.__dict__["_cuboid_stage"] = _StageInfo(
-        shape.base, first, last, shape.router_loss, shape.text, tuple(shape.first_only), blocks=attr
+        shape.base, first, last, shape.router_loss, shape.text, tuple(shape.first_only), attr, tuple(shape.carried)
     )
     stage.forward = types.MethodType(_stage_forward, stage)
     return stage

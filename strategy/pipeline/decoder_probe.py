@@ -39,14 +39,31 @@ class KeyedModuleList(nn.ModuleList):
         return list(self._modules.items())
 
 
-def stage_config(config: Any, indices: Sequence[int]) -> Any:
+def stage_config(config: Any, indices: Sequence[int], numbers: dict[str, list[int]] | None = None) -> Any:
     """A copy of the model's config for a stage holding the blocks ``indices``: per-layer lists (``layer_types``,
     the full or sliding-window attention of each block, which a forward reads by the block's position in the
-    stack) are cut to those blocks."""
+    stack) are cut to those blocks; ``numbers``: lists of layer numbers as the stage numbers them
+    (:func:`stage_layer_numbers`)."""
     staged = copy.copy(config)
+    for name, staged_numbers in (numbers or {}).items():
+        object.__setattr__(staged, name, staged_numbers)
     types_ = getattr(config, "layer_types", None)
     if isinstance(types_, list | tuple) and len(types_) == getattr(config, "num_hidden_layers", -1):
         object.__setattr__(staged, "layer_types", [types_[i] for i in indices])
+    return staged
+
+
+def stage_layer_numbers(module: nn.Module, config: Any, indices: Sequence[int]) -> dict[str, list[int]]:
+    """Lists of layer numbers the base model keeps as its own attributes, taken from its config (Mllama's
+    ``cross_attention_layers``, which its forward compares with each block's position in the stack), as a stage
+    holding the blocks ``indices`` numbers them: the stage's positions of the layers it holds."""
+    layers = getattr(config, "num_hidden_layers", -1)
+    staged: dict[str, list[int]] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or value is not getattr(config, name, None) or not isinstance(value, list):
+            continue
+        if value and len(value) < layers and all(type(v) is int and 0 <= v < layers for v in value):
+            staged[name] = [list(indices).index(v) for v in value if v in indices]
     return staged
 
 
@@ -89,6 +106,11 @@ class ShapeOnly:
 
     def __init__(self, module: nn.Module) -> None:
         self._meta = _meta_copy(module)
+
+    def __getattr__(self, name: str) -> Any:  # what a forward reads of the piece (Mllama's vision_model.num_patches)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["_meta"], name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]

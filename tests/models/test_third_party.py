@@ -71,6 +71,16 @@ RUNS: dict[str, Run] = {
     # the tower on whole images on every rank; the language model's sequence (image features merged) cut, image
     # tokens at their global positions (32 tokens: cp2 cuts a multiple of 4)
     "hf_llava-cp2": Run(2, {"model": "hf_llava", "strategy": {"context_parallel": 2}, "seq": 31}),
+    # Mllama (Llama 3.2 Vision): a tiled vision encoder whose states the language model's cross-attention layers (1
+    # and 3, between self-attention layers) read; no tensor-parallel plan of its own: the one its blocks' structure
+    # gives. Under pp the image states travel beside the hidden states to the stage whose cross-attention layer
+    # reads them; under cp each cross-attention layer's queries are this rank's tokens, its keys every image state
+    "hf_mllama-dp2": Run(2, {"model": "hf_mllama", "strategy": {}}),
+    "hf_mllama-tp2": Run(2, {"model": "hf_mllama", "strategy": TP2}),
+    "hf_mllama-dp2xtp2": Run(4, {"model": "hf_mllama", "strategy": TP2}),
+    "hf_mllama-pp2": Run(2, {"model": "hf_mllama", "strategy": {"pipeline_parallel": 2}}),
+    "hf_mllama-pp2xtp2": Run(4, {"model": "hf_mllama", "strategy": {"pipeline_parallel": 2, **TP2}}),
+    "hf_mllama-cp2": Run(2, {"model": "hf_mllama", "strategy": {"context_parallel": 2}, "seq": 31}),
     # Granite: its base model's forward scales the embeddings (embedding_multiplier): once, on the first stage
     "hf_granite-pp2": Run(2, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2}}),
     "hf_granite-pp2xtp2": Run(4, {"model": "hf_granite", "strategy": {"pipeline_parallel": 2, **TP2}}),
@@ -115,6 +125,8 @@ VLM_REFUSED = {
 CKPT_RUNS = {"hf_qwen3-from-tp2-to-dp2": 2, "hf_qwen3-from-tp2-to-dp2xtp2": 4}
 # LLaVA saved at tp2 (sharded, step 6), resumed at pp2: the tower's and the projector's weights to the first stage.
 VLM_CKPT = "hf_llava-from-tp2-to-pp2"
+# Mllama saved at pp2 (its hf_mllama-pp2 run, step 6: the tower on the first stage), resumed at tp2.
+MLLAMA_CKPT = "hf_mllama-from-pp2-to-tp2"
 # LLaVA built on meta at pp2 x tp2, from a transformers directory (which keeps its weights under other names:
 # language_model.model.layers..., transformers renames them when it loads): each rank reads its own tensors.
 VLM_PRETRAINED = "hf_llava-pp2xtp2-pretrained"
@@ -126,8 +138,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("third_party")
     saved = out / "qwen3-tp2" / "step=6.ckpt"
     launches: dict[int, list[dict]] = {}
+    mllama_saved = out / "mllama-pp2" / "step=6.ckpt"
     for name, run in RUNS.items():
-        launches.setdefault(run.world, []).append({"name": name, **run.spec})
+        save = {"save_every": 6, "save_dir": str(mllama_saved.parent)} if name == "hf_mllama-pp2" else {}
+        launches.setdefault(run.world, []).append({"name": name, **run.spec, **save})
     launches[2].append(
         {
             "name": "hf_qwen3-tp2-save",
@@ -156,6 +170,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                         "strategy": {"pipeline_parallel": 2, **TP2, "pretrained": {"model": str(out / "llava-pretrained")}}})  # fmt: skip
     launches[2].append({"name": VLM_CKPT, "model": "hf_llava", "strategy": {"pipeline_parallel": 2},
                         "resume_from": str(vlm_saved)})  # fmt: skip
+    launches[2].append({"name": MLLAMA_CKPT, "model": "hf_mllama", "strategy": TP2, "resume_from": str(mllama_saved)})
     for name, strategy in VLM_REFUSED.items():
         family = name.rpartition("-")[0]
         launches[2].append({"name": name, "model": family, "strategy": strategy, "seq": 31, "expect_error": True})
@@ -304,6 +319,70 @@ def test_plan_given_as_data_and_blocks_found_for_vit() -> None:
     assert len(match_plan(module, third_party.VIT_PLAN)) == 4 * 6
 
 
+def test_a_cross_attention_composite_is_found_by_its_structure() -> None:
+    """Mllama carries no tensor-parallel plan and its language model alternates two layer classes: its blocks are the
+    language model's (not the vision tower's, one class), and the plan is read from what they hold, each
+    attention module's head counts this rank's. What its stages carry and cut comes from the forwards' signatures."""
+    from cuboid.parallel.derived import LocalHeads, derive_plan
+    from cuboid.parallel.plans import find_blocks, find_model_plan, language_models, match_plan
+    from cuboid.pipeline.composite import carried_names, composite_args
+    from cuboid.pipeline.decoder_probe import stage_layer_numbers
+
+    module = third_party.HFModule("hf_mllama")
+    assert find_model_plan(module) == {} and language_models(module) == ["model.model.language_model"]
+    blocks = find_blocks(module)
+    assert [n for n, _ in blocks] == [f"model.model.language_model.layers.{i}" for i in range(4)]
+    assert [type(b).__name__ for _, b in blocks] == ["MllamaSelfAttentionDecoderLayer",
+                                                      "MllamaCrossAttentionDecoderLayer"] * 2  # fmt: skip
+    plan = derive_plan(blocks)
+    at = "model.model.language_model.layers.*."
+    assert plan[at + "cross_attn"] == plan[at + "self_attn"] == "local_heads"
+    assert [plan[at + f"cross_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")] == [
+        "colwise", "colwise", "colwise", "rowwise", "replicated_with_grad_allreduce", "replicated_with_grad_allreduce"]  # fmt: skip
+    assert [plan[at + f"mlp.{p}"] for p in ("gate_proj", "up_proj", "down_proj")] == ["colwise", "colwise", "rowwise"]
+    assert not any("vision" in k for k in plan) and len(match_plan(module, plan)) == 4 * (5 + 3) + 2 * 2
+    cross = module.model.model.language_model.layers[1].cross_attn
+
+    class _Mesh:
+        def size(self) -> int:
+            return 2
+
+    for _ in range(2):  # a second application (a second fit) divides the whole counts once
+        LocalHeads()._apply(cross, _Mesh())
+        assert (cross.num_heads, cross.num_key_value_heads) == (2, 1)
+    text = module.model.model.language_model
+    assert stage_layer_numbers(text, text.config, [2, 3]) == {"cross_attention_layers": [1]}
+    assert stage_layer_numbers(text, text.config, [0]) == {"cross_attention_layers": []}
+    first_only, carried = composite_args(module.model.model, text)
+    assert set(first_only) == {"pixel_values", "aspect_ratio_ids", "aspect_ratio_mask"}
+    assert carried == ["cross_attention_mask", "cross_attention_states"]
+    assert carried_names(tuple(carried), {"cross_attention_mask": None}) == ["cross_attention_states"]
+    llava = third_party.build_model("hf_llava").model
+    assert composite_args(llava, llava.language_model)[1] == []
+
+
+def test_context_parallel_cuts_what_runs_along_the_sequence() -> None:
+    """Under cp a language model's (batch, seq) inputs are cut along dim 1, attention-mask-shaped ones (batch, 1,
+    seq, keys) along their rows; states that carry a gradient (the tower's) stay whole, and attention over them is
+    told from self-attention by its keys."""
+    from cuboid.context.cross import cut_along_sequence, is_cross_attention
+
+    positions, masks = torch.tensor([0, 3]), set()
+    ids, mask = torch.arange(8).reshape(2, 4), torch.rand(2, 1, 4, 10)
+    assert torch.equal(cut_along_sequence("input_ids", ids, "input_ids", 2, 4, positions, masks), ids[:, [0, 3]])
+    assert torch.equal(cut_along_sequence("m", mask, "input_ids", 2, 4, positions, masks), mask[:, :, [0, 3]])
+    assert masks == {10}
+    states = torch.rand(2, 4, 8, requires_grad=True)  # (batch, seq)-shaped by chance: keys all the same
+    assert cut_along_sequence("cross_attention_states", states, "input_ids", 2, 4, positions, masks) is None
+    assert cut_along_sequence("inputs_embeds", states, "inputs_embeds", 2, 4, positions, masks) is not None
+    q, k = torch.rand(2, 4, 2, 8), torch.rand(2, 2, 10, 8)
+    assert is_cross_attention(q, k, None, 2, set())  # ten keys, two local tokens
+    k2 = torch.rand(2, 2, 2, 8)
+    assert not is_cross_attention(q, k2, None, 2, set())
+    assert is_cross_attention(q, k2, torch.rand(2, 1, 2, 2), 2, {2})
+    assert not is_cross_attention(q, k2, torch.rand(2, 1, 2, 2), 2, {10})
+
+
 def test_meta_init_reference_is_what_rank0_builds() -> None:
     """The meta-init reference (built on meta, transformers' init_weights on the host) differs from the usual
     init with the same seed, so the meta-init parity run really tests the meta path."""
@@ -335,6 +414,21 @@ def test_a_vision_language_checkpoint_saved_at_tp2_resumes_at_pp2(results, refer
     ranks = results[VLM_CKPT]["ranks"]
     on = {r["pp_rank"]: any("vision_tower" in p for p in r["placements"]) for r in ranks}
     assert on == {0: True, 1: False}, on
+
+
+@pytest.mark.slow
+def test_a_cross_attention_checkpoint_saved_at_pp2_resumes_at_tp2(results, references) -> None:
+    """Saved by Mllama at pp2 (step 6: each stage its own blocks, the tower and projector on the first), resumed at
+    tp2: steps 7-12 of one process, with the cross-attention layers split by the plan read from their structure."""
+    _check_parity(MLLAMA_CKPT, results[MLLAMA_CKPT], references[("hf_mllama", False, SEQ)], steps=slice(6, None))
+    saved = results["hf_mllama-pp2"]["ranks"]
+    on = {r["pp_rank"]: any("vision_model" in p for p in r["placements"]) for r in saved}
+    assert on == {0: True, 1: False}, on
+    placements = results[MLLAMA_CKPT]["ranks"][0]["placements"]
+    assert placements["model.model.language_model.layers.1.cross_attn.k_proj.weight"][1][-1] == "S(0)"
+    assert placements["model.model.language_model.layers.1.cross_attn.o_proj.weight"][1][-1] == "S(1)"
+    assert placements["model.model.language_model.layers.1.cross_attn.k_norm.weight"][1][-1] == "R"
+    assert not any("tp" in placements[p][0] for p in placements if "vision_model" in p)  # the tower whole
 
 
 @pytest.mark.slow
