@@ -31,6 +31,8 @@ from cuboid.packages.doors import check_door
 from cuboid.parallel import sync_batchnorm
 from cuboid.parallel.parallelize import moe_layers
 from cuboid.parallel.plans import check_tp_divisibility, find_blocks, match_plan, resolve_plan
+from cuboid.pipeline.composite import check_order, sent
+from cuboid.pipeline.decoder_probe import DecoderSplitError
 from cuboid.pipeline.stages import PipelineError, find_pipeline_split, split_batch, stage_blocks
 from cuboid.replicas import FaultTolerance, ReplicaGroups
 from cuboid.step import MuonError, refuse_muon_shapes
@@ -48,6 +50,10 @@ class _Wrapper(L.LightningModule):
         else:
             with torch.device("meta"):
                 self.model = Llama(cfg or LlamaConfig())
+
+
+class _Composite(nn.Module):
+    """Stands for a vision-language model's composite (its name is what the messages show)."""
 
 
 class _MyLayerSync(LayerSync):
@@ -839,6 +845,18 @@ CASES.update(
             r"it .*\), each rank holding only its slices\. Save it with trainer.save_checkpoint\(path\) and read the "
             r"whole weights with "
             r"cuboid.read_model_weights\(path\)",
+        ),
+        "a cross-attention composite's step without images under pipeline parallel": (
+            lambda: sent({"cross_attention_states": None}, ["cross_attention_states"], _Composite()),
+            DecoderSplitError,
+            r"_Composite handed its language model no \['cross_attention_states'\] in this step \(a batch without "
+            r"images\?\); under pipeline_parallel every step's later stages read them",
+        ),
+        "a composite whose parts run after its language model under pipeline parallel": (
+            lambda: check_order(_Composite(), ["vision_model", "", "pooler"]),
+            DecoderSplitError,
+            r"_Composite runs \['pooler'\] after its language model; Cuboid runs a composite model's other parts on "
+            r"the first stage",
         ),
         "a Fabric checkpoint of two models": (
             lambda: split_state({"model": nn.Linear(2, 2), "teacher": nn.Linear(2, 2)}, nn.Linear(2, 2)),
