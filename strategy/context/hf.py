@@ -62,8 +62,7 @@ def _attention(
         )
     if cp._seq is not None and is_cross_attention(query, key, attention_mask, cp._seq[1] // cp.size, cp.cut_masks):
         # keys over whole states (the image's), queries this rank's tokens, the mask cut by its rows: plain attention
-        is_causal = False
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, False, **kwargs)
     per_head = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
     if per_head or (attention_mask is not None and attention_mask.requires_grad):
         # a mask the layer made itself (learned, or per head). transformers' own causal/padding masks (no gradient,

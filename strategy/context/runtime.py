@@ -169,9 +169,7 @@ class ContextParallel:
             mine = cut_along_sequence(name, value, first, batch, seq_len, positions, self.cut_masks)
             if mine is not None:
                 changed[name] = mine
-            elif name == self.positions_keyword and isinstance(
-                value, torch.Tensor
-            ):  # multimodal rotary positions, (sections, batch, seq): Qwen2-VL's
+            elif name == self.positions_keyword and torch.is_tensor(value):  # Qwen2-VL's (sections, batch, seq)
                 if tuple(value.shape[-2:]) != (batch, seq_len):
                     raise ContextParallelError(
                         f"context_parallel={self.size} cannot split {name} of shape {tuple(value.shape)}: positions "

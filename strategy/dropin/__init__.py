@@ -1,7 +1,8 @@
 """What a DDP project's model needs to switch by one line: the FSDP units ``fully_shard`` can take as they are, the
 rest gathered with the LightningModule for each step (``units``), and replication with torch's own DDP where
 sharding buys nothing (``replicate``: the default data-parallel layout follows memory); the loaders a library
-builds for DDP, checked against the layout (``loaders``); weight averaging beside a sharded model (``averaging``); DDP's ``broadcast_buffers`` (``buffers``)."""
+builds for DDP, checked against the layout (``loaders``); weight averaging beside a sharded model (``averaging``);
+DDP's ``broadcast_buffers`` (``buffers``)."""
 
 from cuboid.dropin.averaging import (
     AveragingError,

@@ -29,10 +29,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+# The head counts an attention module (or its config) keeps: checked against tp before any work
+# (``plans.check_tp_divisibility``), and made this rank's by ``local_heads``.
+HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLPS = (("gate_proj", "up_proj", "down_proj"), ("up_proj", "down_proj"))
-# The head counts a transformers attention module keeps as attributes of its own (its config's stay whole).
-HEAD_COUNTS = ("num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads", "n_heads", "n_kv_heads")
 
 
 def derive_plan(blocks: list[tuple[str, nn.Module]]) -> dict[str, str]:
@@ -71,17 +72,15 @@ def _linears(children: dict[str, nn.Module], names: tuple[str, ...]) -> bool:
 
 class LocalHeads(ParallelStyle):
     """``local_heads``: an attention module whose projections are split over tp keeps this rank's head counts
-    (:data:`HEAD_COUNTS`, those it holds as attributes, each divided by the tp size); nothing else changes. The
-    whole counts are kept on the module, so a second application (a second ``fit``) divides them once."""
+    (:data:`HEAD_COUNTS`, those it holds as attributes, each divided by the tp size, which
+    ``check_tp_divisibility`` found to divide them before any work); nothing else changes. The whole counts are kept
+    on the module, so a second application (a second ``fit``) divides them once."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         whole: dict[str, Any] = module.__dict__.setdefault(
             "_cuboid_whole_heads",
             {a: getattr(module, a) for a in HEAD_COUNTS if isinstance(getattr(module, a, None), int)},
         )
-        size = device_mesh.size()
         for attr, heads in whole.items():
-            if heads % size:
-                raise ValueError(f"{type(module).__name__}.{attr} = {heads} is not divisible by tp={size}")
-            setattr(module, attr, heads // size)
+            setattr(module, attr, heads // device_mesh.size())
         return module

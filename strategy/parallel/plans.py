@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from cuboid.adapters import is_lora_layer
 from cuboid.experts import experts_modules
+from cuboid.parallel.derived import HEAD_COUNTS, derive_plan
 from cuboid.parallel.styles import PlanError, canonical_style, sharded_size, to_parallel_style
 
 __all__ = [
@@ -113,7 +114,6 @@ def match_plan(root: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[nn.M
 
 
 _ADAPTER_PART = re.compile(r"\.(base_layer|lora_[AB]\.[^.]+)$")
-_HEAD_ATTRS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads")
 
 
 def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module, str]], tp: int) -> None:
@@ -134,7 +134,7 @@ def check_tp_divisibility(root: nn.Module, matched: Mapping[str, tuple[nn.Module
         owner = modules.get(parent)
         config = getattr(owner, "config", None)  # Hugging Face attention modules keep head counts there
         for source, where in ((owner, parent), (config, f"{parent}.config")):
-            for attr in _HEAD_ATTRS:
+            for attr in HEAD_COUNTS:
                 heads = getattr(source, attr, None)
                 if isinstance(heads, int) and heads % tp != 0:
                     problems.append(f"{where}.{attr} = {heads} is not divisible by tp={tp}")
@@ -206,8 +206,6 @@ def resolve_plan(root: nn.Module, plan: Mapping[str, str] | None, tp: int) -> di
 def _derived_plan(root: nn.Module) -> dict[str, str]:
     """For a model that carries no plan: the one its blocks' structure gives (:mod:`cuboid.parallel.derived`), said."""
     from lightning.pytorch.utilities import rank_zero_info
-
-    from cuboid.parallel.derived import derive_plan
 
     plan = derive_plan(find_blocks(root))
     if plan:

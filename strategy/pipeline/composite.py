@@ -15,7 +15,7 @@ own arguments (Mllama's additive cross-attention mask and its masked-out text ro
 model's own code. The image states' gradient comes back through the sends: the tower's gradient is the sum of
 every stage's cross-attention layers' share.
 
-The composite's other parts must run before its language model (checked on the first step:
+The composite's other parts must run before its language model (checked at each step on the first stage:
 :func:`check_order`), whatever order they are registered in (Mllama registers its projector after).
 """
 
@@ -70,9 +70,9 @@ def carried_names(candidates: tuple[str, ...], kwargs: dict[str, Any]) -> list[s
 
 
 @contextmanager
-def handed_to(text: nn.Module, names: list[str], composite: nn.Module, check: bool) -> Iterator[dict[str, Any]]:
+def handed_to(text: nn.Module, names: list[str], composite: nn.Module) -> Iterator[dict[str, Any]]:
     """Around the first stage's run of the composite's forward: the yielded dict receives what it hands its
-    language model under ``names``; with ``check``, :func:`check_order` on the way out."""
+    language model under ``names``; :func:`check_order` on the way out."""
     handed: dict[str, Any] = {}
     order: list[str] = []
 
@@ -81,17 +81,15 @@ def handed_to(text: nn.Module, names: list[str], composite: nn.Module, check: bo
         handed.update({n: kwargs.get(n) for n in names})
 
     handles = [text.register_forward_pre_hook(keep, with_kwargs=True)]
-    if check:
-        for part, module in composite.named_children():
-            if module is not text and any(True for _ in module.parameters()):
-                handles.append(module.register_forward_pre_hook(lambda m, a, part=part: order.append(part)))
+    for part, module in composite.named_children():
+        if module is not text and any(True for _ in module.parameters()):
+            handles.append(module.register_forward_pre_hook(lambda m, a, part=part: order.append(part)))
     try:
         yield handed
     finally:
         for handle in handles:
             handle.remove()
-    if check:
-        check_order(composite, order)
+    check_order(composite, order)
 
 
 def check_order(composite: nn.Module, order: list[str]) -> None:

@@ -232,10 +232,9 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
         received = received[len(carried) :]
         base = base if carried else text
     blocks = getattr(text, info.blocks)
-    check = info.first and bool(info.text)  # (each step: a few hooks on the first stage)
     with (
         stage_edges(blocks, None if info.first else x, capture=not info.last) as edges,
-        handed_to(text, carried, base, check) if check else nullcontext({}) as handed,
+        handed_to(text, carried, base) if info.first and info.text else nullcontext({}) as handed,
     ):
         out = (
             type(base).forward(base, **inputs, use_cache=False, **kwargs)
@@ -244,7 +243,7 @@ def _stage_forward(self: nn.Module, x: torch.Tensor, *received: torch.Tensor, **
         )
     hidden = edges[0] if edges else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
     if carried and not info.last:  # the image states, on to the next stage (a middle stage's as received)
-        onward = sent(handed, carried, base) if info.first else [t.view_as(t) for t in inputs.values()][1:]
+        onward = sent(handed, carried, base) if info.first else [inputs[n].view_as(inputs[n]) for n in carried]
         return (hidden, *onward)
     parts = _balance_parts(self, received, out, kwargs) if info.router_loss else None
     if not info.last or not info.base:
@@ -336,7 +335,7 @@ def build_stage(
     if not first:  # the language model's own pieces stand in by shape (its forward may run them: GPT-2's positions)
         text_prefix = f"{shape.text or shape.base}." if shape.text or shape.base else ""
         for path in shape.pre:
-            in_composite = shape.text and shape.carried and path.count(".") == shape.base.count(".") + 1
+            in_composite = shape.text and shape.carried and path.rpartition(".")[0] == shape.base
             if in_composite or (path.startswith(text_prefix) and "." not in path[len(text_prefix) :]):
                 parent, _, name = path.rpartition(".")
                 stand_in(stage.get_submodule(parent) if parent else stage, name, owner.get_submodule(path))
